@@ -1,0 +1,355 @@
+"""Flax (linen) decoder-only transformer for the Llama-3 / Qwen2 / Qwen3 dense family.
+
+The layers are Flax modules; everything a caller touches is a pure function of a `ModelConfig`, a
+parameter pytree and arrays:
+
+  * `init_params(config, rng) -> params`
+  * `forward(config, params, tokens, positions=None, segment_ids=None) -> logits [B, T, V]`
+  * `init_cache(config, batch_size, max_length) -> KVCache`
+  * `prefill(config, params, tokens, cache) -> (logits [B, T, V], cache)`
+  * `decode_step(config, params, tokens [B], positions [B], cache) -> (logits [B, V], cache)`
+
+The L decoder blocks run under `nn.scan`, so their parameters are stacked along a leading layer
+axis (`params['layers'][...]['kernel']` is `[L, ...]`) and one block is compiled regardless of
+depth. The KV cache is laid out `[L, B, K, S, D]`: keys of one head are contiguous over the
+sequence, which decodes faster on CPU than `[L, B, S, K, D]` (see background/learning-notes.md),
+and a token at position p always lives in cache slot p, written in place.
+
+Logits and every softmax are computed in float32 whatever `config.dtype` is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrl_agent.models.config import ModelConfig, RopeScaling
+
+Params = Any  # nested dict of arrays
+
+# Added to masked attention scores; finite so that a fully masked row (padding) gives a uniform
+# distribution instead of NaN.
+_MASK_VALUE = -1e30
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """Inverse frequencies theta^(-2i/D), i < D/2, with optional Llama-3 scaling. Shape [D/2]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [B, T, heads, D] by angle positions [B, T] * inv_freq (half-split convention)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32 (Zhang & Sennrich, 2019)."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class KVCache(flax.struct.PyTreeNode):
+    """Keys and values of every layer. k, v: [L, B, K, S, D]; slot p holds position p."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[3]
+
+
+def _dense(features, axis, use_bias, config: ModelConfig, name):
+    return nn.DenseGeneral(
+        features=features,
+        axis=axis,
+        use_bias=use_bias,
+        dtype=config.jnp_dtype,
+        param_dtype=config.jnp_param_dtype,
+        kernel_init=nn.initializers.normal(0.02),
+        name=name,
+    )
+
+
+def _write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Writes new [B, K, T, D] into cache [B, K, S, D] at per-row slot start [B], in place."""
+    def one(row_cache, row_new, row_start):
+        return jax.lax.dynamic_update_slice(row_cache, row_new.astype(row_cache.dtype), (0, row_start, 0))
+
+    return jax.vmap(one)(cache, new, start)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional q/k/v bias and q/k RMSNorm."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask, layer_cache, cache_start):
+        cfg = self.config
+        n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = _dense((n, d), -1, cfg.attention_bias, cfg, "q_proj")(x)  # [B, T, N, D]
+        key = _dense((k, d), -1, cfg.attention_bias, cfg, "k_proj")(x)  # [B, T, K, D]
+        value = _dense((k, d), -1, cfg.attention_bias, cfg, "v_proj")(x)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="q_norm")(q)
+            key = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="k_norm")(key)
+        inv_freq = rope_inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rope(q, positions, inv_freq)
+        key = apply_rope(key, positions, inv_freq)
+        key = key.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        value = value.transpose(0, 2, 1, 3)
+        new_cache = None
+        if layer_cache is not None:
+            cache_k, cache_v = layer_cache
+            key = _write_cache(cache_k, key, cache_start)
+            value = _write_cache(cache_v, value, cache_start)
+            new_cache = (key, value)
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, k, n // k, d)
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, key, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(d))
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, value.astype(cfg.jnp_dtype))
+        out = out.reshape(b, t, n, d)
+        out = _dense(cfg.hidden_size, (-2, -1), False, cfg, "o_proj")(out)
+        return out, new_cache
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) (Shazeer, 2020)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        gate = _dense(cfg.intermediate_size, -1, False, cfg, "gate_proj")(x)
+        up = _dense(cfg.intermediate_size, -1, False, cfg, "up_proj")(x)
+        return _dense(cfg.hidden_size, -1, False, cfg, "down_proj")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block; the signature is nn.scan's (carry, per-layer input)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, layer_cache, positions, mask, cache_start):
+        cfg = self.config
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name=name)
+        attn_out, new_cache = Attention(cfg, name="attn")(
+            norm("input_norm")(x), positions, mask, layer_cache, cache_start
+        )
+        x = x + attn_out
+        x = x + MLP(cfg, name="mlp")(norm("post_attn_norm")(x))
+        return x, new_cache
+
+
+class Transformer(nn.Module):
+    """Embeddings, L scanned blocks, final norm, and the (tied or untied) output projection."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions, mask, cache: KVCache | None = None, cache_start=None):
+        cfg = self.config
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.jnp_dtype,
+            param_dtype=cfg.jnp_param_dtype,
+            embedding_init=nn.initializers.normal(0.02),
+            name="embed",
+        )
+        x = embed(tokens)
+        block = Block
+        if cfg.remat:
+            block = nn.remat(Block, prevent_cse=False)
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+        )(cfg, name="layers")
+        layer_caches = None if cache is None else (cache.k, cache.v)
+        x, new_layer_caches = layers(x, layer_caches, positions, mask, cache_start)
+        x = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="final_norm")(x)
+        if cfg.tie_word_embeddings:
+            kernel = embed.embedding.T
+        else:
+            kernel = self.param(
+                "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size), cfg.jnp_param_dtype
+            )
+        logits = jnp.einsum(
+            "bth,hv->btv", x, kernel.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32
+        )
+        new_cache = None if cache is None else KVCache(*new_layer_caches)
+        return logits, new_cache
+
+
+# --------------------------------------------------------------------------------------------
+# Pure API
+# --------------------------------------------------------------------------------------------
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token within its segment: [B, T] ints restarting at 0 at each new segment."""
+    t = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - start_idx
+
+
+def _causal_mask(q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+    return q_positions[:, :, None] >= k_positions[:, None, :]
+
+
+def _check_tokens(config: ModelConfig, tokens: jax.Array, ndim: int):
+    if tokens.ndim != ndim:
+        raise ValueError(f"tokens must have rank {ndim}, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random parameters (normal(0.02) kernels, unit norms)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    mask = jnp.ones((1, 1, 1), bool)
+    return Transformer(config).init(rng, tokens, positions, mask)["params"]
+
+
+def forward(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Full-sequence logits.
+
+    Args:
+      config: the architecture (static under jit).
+      params: parameter pytree from `init_params` or `load_hf`.
+      tokens: [B, T] int token ids.
+      positions: [B, T] RoPE positions; default: 0..T-1, or restarting at every segment when
+        `segment_ids` is given.
+      segment_ids: [B, T] ints; tokens attend only to earlier tokens of the same segment, so
+        sequences packed into one row never see each other.
+
+    Returns:
+      logits [B, T, V] in float32.
+    """
+    _check_tokens(config, tokens, 2)
+    if positions is None:
+        if segment_ids is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        else:
+            positions = positions_from_segments(segment_ids)
+    # Causality by index (not by position) so packed segments with restarting positions stay causal.
+    idx = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    mask = _causal_mask(idx, idx)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    logits, _ = Transformer(config).apply({"params": params}, tokens, positions, mask)
+    return logits
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    """Zeroed KV cache [L, B, K, S, D] for `batch_size` rows of up to `max_length` tokens."""
+    shape = (config.num_layers, batch_size, config.num_kv_heads, max_length, config.head_dim)
+    dtype = dtype or config.jnp_dtype
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def extend(
+    config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """Runs T new tokens per row against the cache and writes their keys/values into it.
+
+    Row b's tokens must have contiguous positions starting at `positions[b, 0]`; they are
+    written into slots positions[b, 0] ... and attend to every slot <= their own position.
+    Slots beyond a row's current position may hold stale values from padding; the mask hides them.
+
+    Args:
+      tokens: [B, T] ids.  positions: [B, T] ints.  cache: from `init_cache`.
+
+    Returns:
+      (logits [B, T, V] float32, updated cache).
+    """
+    _check_tokens(config, tokens, 2)
+    slots = jnp.arange(cache.max_length)[None, :]
+    mask = positions[:, :, None] >= slots[:, None, :]  # [B, T, S]
+    logits, cache = Transformer(config).apply(
+        {"params": params}, tokens, positions, mask, cache, positions[:, 0]
+    )
+    return logits, cache
+
+
+def prefill(
+    config: ModelConfig, params: Params, tokens: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """Processes prompts [B, T] from position 0 (right padding is harmless); see `extend`."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return extend(config, params, tokens, positions, cache)
+
+
+def decode_step(
+    config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """One token per row: tokens [B] at positions [B] -> (logits [B, V] float32, cache)."""
+    _check_tokens(config, tokens, 1)
+    logits, cache = extend(config, params, tokens[:, None], positions[:, None], cache)
+    return logits[:, 0], cache
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log softmax(logits)[targets] in float32. logits [..., V], targets [...] -> [...]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,131 @@
+"""Device mesh and parameter partitioning.
+
+The mesh has three named axes:
+  * `data`   — pure data parallelism (parameters replicated),
+  * `fsdp`   — data parallelism with parameters and optimizer state sharded (ZeRO-3 style),
+  * `tensor` — Megatron-style tensor parallelism over heads and the MLP hidden width.
+Batches are split over `('data', 'fsdp')`. Parameters get a `PartitionSpec` from ordered
+regex rules over their path ('layers/attn/q_proj/kernel'); a mesh axis that does not divide the
+dimension it would shard is dropped for that parameter (e.g. 2 KV heads on tensor=4), so any
+model runs on any mesh, and `param_shardings` says what actually happened.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# (regex over the '/'-joined parameter path, spec). First match wins. Layer-stacked parameters
+# have a leading L axis, which is never sharded.
+PARAM_RULES: tuple[tuple[str, P], ...] = (
+    (r"^embed/embedding$", P("tensor", "fsdp")),                    # [V, H]
+    (r"^lm_head$", P("fsdp", "tensor")),                            # [H, V]
+    (r"attn/(q|k|v)_proj/kernel$", P(None, "fsdp", "tensor", None)),  # [L, H, heads, D]
+    (r"attn/(q|k|v)_proj/bias$", P(None, "tensor", None)),           # [L, heads, D]
+    (r"attn/o_proj/kernel$", P(None, "tensor", None, "fsdp")),      # [L, heads, D, H]
+    (r"mlp/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),      # [L, H, I]
+    (r"mlp/down_proj/kernel$", P(None, "tensor", "fsdp")),           # [L, I, H]
+    (r"(norm|scale)", P()),                                          # norms: replicated
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 to take the remaining devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+        raise ValueError(
+            f"mesh data={data} fsdp={fsdp} tensor={tensor} does not fit {len(devices)} devices"
+        )
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}"
+        )
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def mesh_from_config(cfg) -> Mesh:
+    """Builds the mesh from a config section with fields `data`, `fsdp`, `tensor`."""
+    return make_mesh(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor)
+
+
+def _path_str(path) -> str:
+    parts = []
+    for entry in path:
+        parts.append(str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry)))))
+    return "/".join(parts)
+
+
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Drops mesh axes that do not divide the dimension they would shard."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if len(entries) > len(shape):
+        raise ValueError(f"partition spec {spec} has more entries than shape {shape}")
+    fitted = []
+    for dim, axis in zip(shape, entries):
+        if axis is None:
+            fitted.append(None)
+            continue
+        axes = axis if isinstance(axis, tuple) else (axis,)
+        size = int(np.prod([mesh.shape[a] for a in axes]))
+        fitted.append(axis if size > 1 and dim % size == 0 else None)
+    return P(*fitted)
+
+
+def param_partition_specs(params, mesh: Mesh, rules=PARAM_RULES):
+    """PartitionSpec for every leaf of `params` (shapes may be arrays or ShapeDtypeStructs)."""
+    def spec_for(path, leaf):
+        name = _path_str(path)
+        for pattern, spec in rules:
+            if re.search(pattern, name):
+                return _fit(spec, tuple(leaf.shape), mesh)
+        raise ValueError(f"no partition rule matches parameter {name!r} with shape {tuple(leaf.shape)}")
+
+    return jax.tree_util.tree_map_with_path(spec_for, params)
+
+
+def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
+    """NamedSharding for every parameter leaf."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        param_partition_specs(params, mesh, rules),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Leading (batch) axis over ('data', 'fsdp'); the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def shard_params(params, mesh: Mesh, rules=PARAM_RULES):
+    """Places parameters on the mesh according to the rules."""
+    return jax.tree.map(jax.device_put, params, param_shardings(params, mesh, rules))
+
+
+def sharded_forward(config, mesh: Mesh, params):
+    """A jitted `models.forward` with explicit NamedShardings for params, tokens and logits.
+
+    Returns `fn(params, tokens) -> logits [B, T, V]`; tokens' batch dimension must be divisible by
+    data * fsdp.
+    """
+    from jaxrl_agent import models
+
+    in_shardings = (param_shardings(params, mesh), batch_sharding(mesh, 2))
+    out_sharding = batch_sharding(mesh, 3)
+    return jax.jit(
+        lambda p, tokens: models.forward(config, p, tokens),
+        in_shardings=in_shardings,
+        out_shardings=out_sharding,
+    )

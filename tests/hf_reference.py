@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face reference models (transformers + torch CPU), for parity tests only."""
+
+import numpy as np
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_hf_model(arch: str, *, tie: bool = False, llama3_rope: bool = False, seed: int = 0,
+                  num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+    )
+    rope = {"rope_type": "default", "rope_theta": 5000.0}
+    if llama3_rope:
+        rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_parameters=rope, head_dim=head_dim or 8)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_parameters=rope)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, rope_parameters=rope, head_dim=head_dim or 16)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    model = model.float().eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the parity test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long))
+    return out.logits.float().numpy()
