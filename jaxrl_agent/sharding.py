@@ -80,6 +80,8 @@ def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
         axes = axis if isinstance(axis, tuple) else (axis,)
         size = int(np.prod([mesh.shape[a] for a in axes]))
         fitted.append(axis if size > 1 and dim % size == 0 else None)
+    while fitted and fitted[-1] is None:  # canonical form: P(None, None) == P()
+        fitted.pop()
     return P(*fitted)
 
 
@@ -104,9 +106,9 @@ def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
     )
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Leading (batch) axis over ('data', 'fsdp'); the rest replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis over ('data', 'fsdp'); the other axes replicated (any rank)."""
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def shard_params(params, mesh: Mesh, rules=PARAM_RULES):
@@ -122,8 +124,8 @@ def sharded_forward(config, mesh: Mesh, params):
     """
     from jaxrl_agent import models
 
-    in_shardings = (param_shardings(params, mesh), batch_sharding(mesh, 2))
-    out_sharding = batch_sharding(mesh, 3)
+    in_shardings = (param_shardings(params, mesh), batch_sharding(mesh))
+    out_sharding = batch_sharding(mesh)
     return jax.jit(
         lambda p, tokens: models.forward(config, p, tokens),
         in_shardings=in_shardings,

@@ -1,0 +1,132 @@
+"""Model invariants: cached decode == full forward, packed == unpacked, remat == plain."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_agent import models
+
+CONFIGS = {
+    "llama": models.ModelConfig(architecture="llama", rope_scaling=models.RopeScaling(original_max_position_embeddings=16)),
+    "qwen2": models.ModelConfig(architecture="qwen2", attention_bias=True, tie_word_embeddings=True),
+    "qwen3": models.ModelConfig(architecture="qwen3", qk_norm=True, num_kv_heads=1, head_dim=32),
+}
+
+
+def _params(config, seed=0):
+    params = models.init_params(config, jax.random.PRNGKey(seed))
+    # Perturb norms / biases away from their trivial init.
+    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_token_by_token_decode_matches_forward(arch):
+    config = CONFIGS[arch]
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, config.vocab_size)
+    full = models.forward(config, params, tokens)
+
+    prefill = jax.jit(models.prefill, static_argnums=0)
+    decode = jax.jit(models.decode_step, static_argnums=0)
+    cache = models.init_cache(config, 3, 16)
+    prompt_len = 4
+    logits, cache = prefill(config, params, tokens[:, :prompt_len], cache)
+    steps = [logits]
+    for t in range(prompt_len, tokens.shape[1]):
+        step_logits, cache = decode(config, params, tokens[:, t], jnp.full((3,), t), cache)
+        steps.append(step_logits[:, None])
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
+
+
+def test_decode_with_ragged_rows_and_padded_prefill():
+    """Rows at different positions (JetStream slots) and a right-padded prefill bucket."""
+    config = CONFIGS["llama"]
+    params = _params(config)
+    rng = np.random.RandomState(0)
+    lengths = [3, 6]
+    seqs = [rng.randint(0, config.vocab_size, n + 4) for n in lengths]
+    cache = models.init_cache(config, 2, 16)
+    padded = np.zeros((2, 8), np.int32)  # bucket of 8, true lengths 3 and 6, garbage after
+    for b, n in enumerate(lengths):
+        padded[b, :n] = seqs[b][:n]
+        padded[b, n:] = 7
+    _, cache = models.prefill(config, params, jnp.asarray(padded), cache)
+    for step in range(4):
+        tokens = jnp.asarray([seqs[b][lengths[b] + step] for b in range(2)])
+        positions = jnp.asarray([lengths[b] + step for b in range(2)])
+        logits, cache = models.decode_step(config, params, tokens, positions, cache)
+        for b in range(2):
+            alone = models.forward(config, params, jnp.asarray(seqs[b][None, : lengths[b] + step + 1]))
+            np.testing.assert_allclose(logits[b], alone[0, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_packed_segments_equal_separate_sequences(arch):
+    config = CONFIGS[arch]
+    params = _params(config)
+    rng = np.random.RandomState(1)
+    lengths = [5, 3, 6]
+    seqs = [rng.randint(0, config.vocab_size, n) for n in lengths]
+    row = np.concatenate(seqs + [np.zeros(2, int)])  # two padding tokens at the end
+    segment_ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(2, int)])
+    packed = models.forward(config, params, jnp.asarray(row[None]), segment_ids=jnp.asarray(segment_ids[None]))
+    start = 0
+    for seq in seqs:
+        alone = models.forward(config, params, jnp.asarray(seq[None]))
+        np.testing.assert_allclose(packed[0, start:start + len(seq)], alone[0], atol=1e-5, rtol=0)
+        start += len(seq)
+    assert np.all(np.isfinite(np.asarray(packed)))
+
+
+def test_positions_from_segments():
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0]])
+    np.testing.assert_array_equal(models.positions_from_segments(seg), [[0, 1, 2, 0, 1, 0, 0, 1]])
+
+
+def test_remat_gives_identical_values_and_gradients():
+    config = CONFIGS["qwen3"]
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 10), 0, config.vocab_size)
+
+    def loss(cfg, p):
+        return jnp.mean(jax.nn.log_softmax(models.forward(cfg, p, tokens))[..., 0])
+
+    value, grad = jax.value_and_grad(functools.partial(loss, config))(params)
+    value_r, grad_r = jax.value_and_grad(functools.partial(loss, config.replace(remat=True)))(params)
+    np.testing.assert_allclose(value, value_r, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_r)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bfloat16_params_and_compute_give_float32_logits():
+    config = CONFIGS["llama"].replace(param_dtype="bfloat16", dtype="bfloat16")
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    tokens = jnp.ones((1, 5), jnp.int32)
+    logits = models.forward(config, params, tokens)
+    assert logits.dtype == jnp.float32
+    reference = models.forward(CONFIGS["llama"], jax.tree.map(lambda x: x.astype(jnp.float32), params), tokens)
+    np.testing.assert_allclose(logits, reference, atol=5e-2)
+
+
+def test_token_logprobs_are_float32_log_softmax():
+    logits = jnp.asarray([[[1.0, 2.0, 3.0]]], jnp.bfloat16)
+    lp = models.token_logprobs(logits, jnp.asarray([[2]]))
+    assert lp.dtype == jnp.float32
+    np.testing.assert_allclose(lp, [[3.0 - np.log(np.exp([1.0, 2.0, 3.0]).sum())]], rtol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    config = CONFIGS["llama"]
+    params = _params(config)
+    with pytest.raises(ValueError, match="rank 2"):
+        models.forward(config, params, jnp.ones((4,), jnp.int32))
+    with pytest.raises(TypeError, match="integer"):
+        models.forward(config, params, jnp.ones((1, 4), jnp.float32))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        models.ModelConfig(num_heads=4, num_kv_heads=3)
+    with pytest.raises(models.UnsupportedArchitectureError, match="gpt2"):
+        models.ModelConfig(architecture="gpt2")
