@@ -52,3 +52,21 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long))
     return out.logits.float().numpy()
+
+
+def train_tiny_hf_tokenizer(folder):
+    """A 400-id byte-level BPE tokenizer.json (+ tokenizer_config.json) trained on a toy corpus."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE(unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the quick brown fox jumps over the lazy dog", "Q: 17*23+5=? answer 396"] * 50
+    hf.train_from_iterator(corpus, trainer)
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))

@@ -1,0 +1,61 @@
+"""The embedded CPU default: a ~0.8M-parameter Llama-style agent on the calculator task.
+
+Run:
+  python launch/tpu_run.py --config configs/calculator_tiny.py
+  python launch/tpu_run.py --config configs/calculator_tiny.py --config.model.num_layers=2
+
+Sizes follow background/learning-notes.md (4 layers, width 128, 4 heads, MLP 512), which learned
+calculator tool use on 2 CPU cores in minutes.
+"""
+
+import ml_collections
+
+from jaxrl_agent import tokenizer
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0  # PRNG seed for parameter init and everything downstream.
+    config.workdir = "runs/calculator_tiny"  # Where checkpoints and metrics go.
+
+    config.tokenizer = ml_collections.ConfigDict()
+    config.tokenizer.kind = "char"  # 'char' (built in, no files) or 'hf' (a tokenizer.json).
+    config.tokenizer.path = ""  # tokenizer.json or its folder, for kind='hf'; '' = the checkpoint folder.
+    config.tokenizer.template = "chatml"  # Turn template: 'chatml' or 'llama3'.
+
+    config.model = ml_collections.ConfigDict()
+    config.model.architecture = "llama"  # 'llama', 'qwen2' or 'qwen3' (Hugging Face model_type).
+    # Derived: the built-in character tokenizer's vocabulary.
+    config.model.vocab_size = tokenizer.CharTokenizer().vocab_size
+    config.model.hidden_size = 128  # Model width H.
+    config.model.intermediate_size = 512  # SwiGLU hidden width.
+    config.model.num_layers = 4  # Decoder blocks.
+    config.model.num_heads = 4  # Query heads.
+    config.model.num_kv_heads = 4  # Key/value heads (GQA when fewer than num_heads).
+    config.model.head_dim = 32  # Per-head width; hidden_size / num_heads here.
+    config.model.rope_theta = 10000.0  # RoPE base.
+    config.model.rms_norm_eps = 1e-6  # RMSNorm epsilon.
+    config.model.tie_word_embeddings = True  # Output projection = input embedding (saves V*H params).
+    config.model.attention_bias = False  # q/k/v bias (Qwen2 has it).
+    config.model.qk_norm = False  # RMSNorm on q and k per head (Qwen3 has it).
+    config.model.max_position_embeddings = 512  # Longest context, in tokens.
+    config.model.param_dtype = "float32"  # Parameter storage dtype.
+    config.model.dtype = "float32"  # Activation dtype (logits are always float32).
+    config.model.remat = False  # Recompute blocks in the backward pass to save memory.
+
+    config.checkpoint = ml_collections.ConfigDict()
+    # A Hugging Face model folder to start from; '' = random init from config.model. When set, the
+    # architecture comes from the checkpoint's config.json and config.model is not used.
+    config.checkpoint.hf_path = ""
+    config.checkpoint.param_dtype = "float32"  # Parameter dtype after loading a checkpoint.
+    config.checkpoint.compute_dtype = "float32"  # Activation dtype for a loaded checkpoint.
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = 1  # Pure data-parallel axis size.
+    config.mesh.fsdp = -1  # Parameter-sharded data-parallel axis; -1 = all remaining devices.
+    config.mesh.tensor = 1  # Tensor-parallel axis size (heads, MLP width).
+
+    config.smoke = ml_collections.ConfigDict()
+    config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.
+    config.smoke.seq_len = 32  # Tokens per row in that check.
+    return config.lock()

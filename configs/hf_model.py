@@ -1,0 +1,31 @@
+"""Start from a Hugging Face Llama-3 / Qwen2 / Qwen3 checkpoint folder (no download: a local path).
+
+Run:
+  python launch/tpu_run.py --config configs/hf_model.py \
+      --config.checkpoint.hf_path=/path/to/Qwen3-0.6B --config.mesh.tensor=1
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _sibling(name):
+    """Loads another config file of this folder (config files are loaded by path, not as a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = _sibling("calculator_tiny").get_config()
+    config.unlock()
+    config.workdir = "runs/hf_model"  # Where checkpoints and metrics go.
+    config.tokenizer.kind = "hf"  # The checkpoint's own tokenizer.json.
+    config.tokenizer.path = ""  # '' = tokenizer.json in checkpoint.hf_path.
+    config.checkpoint.param_dtype = "bfloat16"  # Parameter dtype after loading.
+    config.checkpoint.compute_dtype = "bfloat16"  # Activation dtype (logits stay float32).
+    config.smoke.seq_len = 64  # Tokens per row in the forward-pass check.
+    return config.lock()

@@ -1,0 +1,43 @@
+"""Entry point on a laptop, a GPU host or every host of a TPU pod slice.
+
+  python launch/tpu_run.py --config configs/calculator_tiny.py [--config.a.b=value ...]
+
+Multi-host: run the same command on every host with --coordinator_address, --num_processes and
+--process_id (or none of them on Cloud TPU, where jax.distributed finds its peers itself, by
+passing --distributed).
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    del argv
+    import jax
+
+    if _DISTRIBUTED.value or _COORDINATOR.value:
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    from jaxrl_agent import build
+
+    summary = build.smoke_forward(_CONFIG.value)
+    logging.info("forward pass ok: %s", summary)
+    print("forward pass ok:", summary, flush=True)
+
+
+if __name__ == "__main__":
+    from jaxrl_agent import config_lib
+
+    try:
+        config_lib.check_overrides(sys.argv)
+    except (config_lib.ConfigOverrideError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    app.run(main)
