@@ -1,0 +1,279 @@
+"""Composing losses into one objective: `make_objective(spec) -> objective(logprobs, batch)`.
+
+An objective is a sum of terms with coefficients, after corrections that re-weight or mask tokens:
+
+    objective = make_objective(ObjectiveSpec(
+        terms=(PolicyTerm("mirror_descent", tau=0.05, level="token", clip_eps_low=0.2, clip_eps_high=0.2),
+               KLTerm("k3", coef=0.01)),
+        corrections=(TIS(cap=2.0), IcePop(low=0.5, high=2.0)),
+    ))
+    loss, metrics = objective(logprobs, batch)   # pure; jit / grad / vmap as you like
+
+`batch` is a `LossInputs` (or any mapping with the same keys). Corrections compare the learner's
+log-probs with the sampler's: TIS multiplies policy terms by capped importance weights, IcePop drops
+tokens from them. KL and entropy terms use the batch's original mask. A researcher's own term is any
+callable `(logprobs, batch, mask, weights) -> (scalar, metrics)` wrapped in `CustomTerm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_agent.losses import corrections as corrections_lib
+from jaxrl_agent.losses import policy, reductions, regularizers
+from jaxrl_agent.losses._common import as_float_mask, masked_mean
+
+Metrics = dict[str, jax.Array]
+
+
+class LossInputs(NamedTuple):
+    """Everything a loss may need besides the current log-probs. Token arrays are [B, T].
+
+    Attributes:
+      mask: 1 where the policy generated the token.
+      advantages: [B] or [B, T].
+      old_logprobs: pi_old, the trust-region anchor (e.g. the learner's log-probs before this
+        update's first minibatch).
+      sampler_logprobs: what the sampler reported; None = same as old_logprobs.
+      ref_logprobs: frozen reference policy, for KL terms; None if unused.
+      entropy: per-token entropy of the current policy (differentiable), for entropy terms.
+    """
+
+    mask: jax.Array
+    advantages: jax.Array
+    old_logprobs: jax.Array
+    sampler_logprobs: jax.Array | None = None
+    ref_logprobs: jax.Array | None = None
+    entropy: jax.Array | None = None
+
+
+def _field(batch, name: str):
+    return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
+
+
+def _optional(batch, name: str):
+    if isinstance(batch, Mapping):
+        return batch.get(name)
+    return getattr(batch, name, None)
+
+
+def _reduce(values: jax.Array, mask: jax.Array, reduction: str, max_len: int | None) -> jax.Array:
+    if reduction not in reductions.REDUCTIONS:
+        raise ValueError(f"reduction {reduction!r} is not one of {sorted(reductions.REDUCTIONS)}")
+    if reduction == "sequence_sum_norm":
+        if max_len is None:
+            raise ValueError("reduction 'sequence_sum_norm' needs max_len")
+        return reductions.masked_sequence_sum_norm(values, mask, max_len)
+    if reduction == "token_mean" and values.ndim == 1:
+        raise ValueError("a per-sequence loss cannot use reduction 'token_mean'; use 'sequence_mean'")
+    return reductions.REDUCTIONS[reduction](values, mask)
+
+
+# ---------------------------------------------------------------------------------- policy losses
+def _reinforce(logprobs, batch, mask, **kw):
+    return policy.reinforce_loss(logprobs, _field(batch, "advantages"), mask, **kw)
+
+
+def _with_old(fn):
+    def call(logprobs, batch, mask, **kw):
+        return fn(logprobs, _field(batch, "old_logprobs"), _field(batch, "advantages"), mask, **kw)
+
+    return call
+
+
+def _decoupled(logprobs, batch, mask, **kw):
+    behaviour = _optional(batch, "sampler_logprobs")
+    old = _field(batch, "old_logprobs")
+    return policy.decoupled_ppo_loss(
+        logprobs, old, old if behaviour is None else behaviour, _field(batch, "advantages"), mask, **kw
+    )
+
+
+# name -> fn(logprobs, batch, mask, **kwargs) -> (values [B, T] or [B], metrics)
+POLICY_LOSSES: dict[str, Callable[..., tuple[jax.Array, Metrics]]] = {
+    "reinforce": _reinforce,
+    "ppo_clip": _with_old(policy.ppo_clip_loss),
+    "gspo": _with_old(policy.gspo_loss),
+    "cispo": _with_old(policy.cispo_loss),
+    "mirror_descent": _with_old(policy.mirror_descent_loss),
+    "decoupled_ppo": _decoupled,
+}
+
+
+class Term(Protocol):
+    """One summand of an objective: (logprobs, batch, policy mask, token weights) -> (scalar, metrics)."""
+
+    def __call__(self, logprobs, batch, mask: jax.Array, weights: jax.Array) -> tuple[jax.Array, Metrics]: ...
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class PolicyTerm:
+    """coef * reduction(weights * loss(logprobs, ...)) for a loss named in POLICY_LOSSES."""
+
+    loss: str
+    coef: float
+    reduction: str
+    max_len: int | None
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def __init__(self, loss: str, *, coef: float = 1.0, reduction: str = "token_mean",
+                 max_len: int | None = None, **kwargs):
+        if loss not in POLICY_LOSSES:
+            raise ValueError(f"policy loss {loss!r} is not one of {sorted(POLICY_LOSSES)}")
+        object.__setattr__(self, "loss", loss)
+        object.__setattr__(self, "coef", float(coef))
+        object.__setattr__(self, "reduction", reduction)
+        object.__setattr__(self, "max_len", max_len)
+        object.__setattr__(self, "kwargs", tuple(sorted(kwargs.items())))
+
+    def __call__(self, logprobs, batch, mask, weights):
+        values, metrics = POLICY_LOSSES[self.loss](logprobs, batch, mask, **dict(self.kwargs))
+        if values.ndim == 1:
+            # Per-sequence loss: weight by the sequence's mean token weight.
+            m = as_float_mask(mask)
+            seq_weights = jnp.sum(weights * m, -1) / jnp.maximum(jnp.sum(m, -1), 1.0)
+            values = values * seq_weights
+        else:
+            values = values * weights
+        value = self.coef * _reduce(values, mask, self.reduction, self.max_len)
+        metrics[f"{self.loss}/loss"] = value
+        return value, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class KLTerm:
+    """coef * reduction(KL estimate against batch.ref_logprobs) over all generated tokens."""
+
+    estimator: str = "k3"
+    coef: float = 0.01
+    reduction: str = "token_mean"
+    max_len: int | None = None
+
+    def __call__(self, logprobs, batch, mask, weights):
+        del mask, weights  # the KL anchor applies to every generated token, corrected or not
+        ref = _optional(batch, "ref_logprobs")
+        if ref is None:
+            raise ValueError("a KL term needs batch.ref_logprobs (a reference policy)")
+        full_mask = _field(batch, "mask")
+        values, metrics = regularizers.kl_penalty(logprobs, ref, full_mask, estimator=self.estimator)
+        value = self.coef * _reduce(values, full_mask, self.reduction, self.max_len)
+        metrics[f"kl_{self.estimator}/loss"] = value
+        return value, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyTerm:
+    """-coef * masked mean entropy (an exploration bonus when coef > 0)."""
+
+    coef: float = 0.001
+
+    def __call__(self, logprobs, batch, mask, weights):
+        del logprobs, mask, weights
+        entropy = _optional(batch, "entropy")
+        if entropy is None:
+            raise ValueError("an entropy term needs batch.entropy (per-token entropy of the current policy)")
+        mean = masked_mean(entropy, _field(batch, "mask"))
+        return -self.coef * mean, {"entropy/mean": mean}
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomTerm:
+    """coef * fn(logprobs, batch, mask, weights)[0] for a researcher's own term."""
+
+    fn: Callable[..., tuple[jax.Array, Metrics]]
+    coef: float = 1.0
+    name: str = "custom"
+
+    def __call__(self, logprobs, batch, mask, weights):
+        value, metrics = self.fn(logprobs, batch, mask, weights)
+        value = self.coef * value
+        return value, {**{f"{self.name}/{k}": v for k, v in metrics.items()}, f"{self.name}/loss": value}
+
+
+# ------------------------------------------------------------------------------------ corrections
+@dataclasses.dataclass(frozen=True)
+class TIS:
+    """Truncated importance weights min(pi_learner / pi_sampler, cap) on the policy terms."""
+
+    cap: float = 2.0
+    level: str = "token"
+
+    def __call__(self, logprobs, sampler_logprobs, mask, weights):
+        w, metrics = corrections_lib.truncated_importance_weights(
+            logprobs, sampler_logprobs, mask, cap=self.cap, level=self.level
+        )
+        return weights * w, mask, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class IcePop:
+    """Drops tokens whose pi_learner / pi_sampler leaves [low, high] from the policy terms."""
+
+    low: float = 0.5
+    high: float = 2.0
+    level: str = "token"
+
+    def __call__(self, logprobs, sampler_logprobs, mask, weights):
+        keep, metrics = corrections_lib.icepop_mask(
+            logprobs, sampler_logprobs, mask, low=self.low, high=self.high, level=self.level
+        )
+        return weights, keep, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+    terms: tuple[Term, ...]
+    corrections: tuple[Any, ...] = ()
+
+
+def default_objective_spec() -> ObjectiveSpec:
+    """The trainer's default: token-level mirror descent (tau 0.05) with token clipping at 0.2,
+    plus truncated importance weights (cap 2) for sampler mismatch and staleness
+    (background/learning-notes.md measured these settings on the tiny agent)."""
+    return ObjectiveSpec(
+        terms=(PolicyTerm("mirror_descent", tau=0.05, level="token", clip_eps_low=0.2, clip_eps_high=0.2),),
+        corrections=(TIS(cap=2.0),),
+    )
+
+
+def make_objective(spec: ObjectiveSpec | Sequence[Term]) -> Callable[[jax.Array, Any], tuple[jax.Array, Metrics]]:
+    """Returns the pure `objective(logprobs [B, T], batch) -> (scalar loss, metrics)`.
+
+    Metrics always include 'loss', 'masked_token_share' (generated tokens that corrections removed
+    from the policy terms), 'token_weight_mean|max', and the drift metrics of
+    `corrections.drift_metrics` (|log pi_learner - log pi_sampler| mean and max, approx KL to pi_old),
+    besides every term's own.
+    """
+    if not isinstance(spec, ObjectiveSpec):
+        spec = ObjectiveSpec(terms=tuple(spec))
+    if not spec.terms:
+        raise ValueError("an objective needs at least one term")
+
+    def objective(logprobs: jax.Array, batch) -> tuple[jax.Array, Metrics]:
+        mask = as_float_mask(_field(batch, "mask"))
+        old = _field(batch, "old_logprobs")
+        sampler = _optional(batch, "sampler_logprobs")
+        sampler = old if sampler is None else sampler
+        weights = jnp.ones_like(mask)
+        policy_mask = mask
+        metrics: Metrics = {}
+        for correction in spec.corrections:
+            weights, policy_mask, extra = correction(logprobs, sampler, policy_mask, weights)
+            metrics.update(extra)
+        total = jnp.zeros((), jnp.float32)
+        for term in spec.terms:
+            value, extra = term(logprobs, batch, policy_mask, weights)
+            total = total + value
+            metrics.update(extra)
+        metrics["loss"] = total
+        metrics["masked_token_share"] = 1.0 - jnp.sum(policy_mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        metrics["token_weight_mean"] = masked_mean(weights, policy_mask)
+        metrics["token_weight_max"] = jnp.max(jnp.where(policy_mask > 0, weights, 0.0))
+        metrics.update(corrections_lib.drift_metrics(logprobs, old, sampler, mask))
+        return total, metrics
+
+    return objective
