@@ -371,3 +371,24 @@ def test_bad_arguments_fail_clearly():
     with pytest.raises(ValueError, match="token_mean"):
         L.make_objective([L.PolicyTerm("gspo")])(jnp.zeros((2, 3)), L.LossInputs(
             mask=m, advantages=jnp.ones(2), old_logprobs=jnp.zeros((2, 3))))
+
+
+def test_remaining_helpers_match_numpy():
+    rng = np.random.RandomState(14)
+    r = rng.randn(6).astype(np.float32)
+    np.testing.assert_allclose(L.reinforce_baseline_advantages(r), r - r.mean(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(L.reinforce_baseline_advantages(r, normalize_std=True),
+                               (r - r.mean()) / (r.std() + 1e-6), rtol=1e-5, atol=1e-6)
+    turn_values = rng.randn(2, 3).astype(np.float32)
+    index = np.array([[0, 0, 1, 2, 2], [2, 1, 1, 0, 7]])
+    expected = np.array([[turn_values[b, min(i, 2)] for i in row] for b, row in enumerate(index)])
+    np.testing.assert_allclose(L.turn_values_to_tokens(turn_values, index), expected)
+    lp, old, sampler, m, _ = _inputs((3, 6), 15)
+    metrics = L.drift_metrics(lp, old, sampler, m)
+    sel = m > 0
+    np.testing.assert_allclose(metrics["drift/sampler_abs_diff_mean"], np.abs(lp - sampler)[sel].mean(), rtol=1e-5)
+    x = (lp - old)[sel]
+    np.testing.assert_allclose(metrics["drift/approx_kl_old"], np.mean(np.exp(-x) - 1 + x), rtol=1e-5)
+    assert float(metrics["drift/token_count"]) == sel.sum()
+    keep, km = L.token_clip_keep_mask(lp, old, np.ones(3, np.float32), m, eps_low=0.1, eps_high=0.1, delta=0.02)
+    np.testing.assert_array_equal(keep, ref.keep(lp, old, np.ones(3), m, 0.1, 0.1, 0.02))
