@@ -1,0 +1,34 @@
+"""Multi-turn environments, the tool-call protocol, and the environment service. No JAX here.
+
+Built in: `calculator`, `kb_search`, `terminal`, `code` (each with a scripted expert).
+"""
+
+from jaxrl_agent.envs.api import (
+    FINISH_REASONS,
+    Environment,
+    Observation,
+    Step,
+    Task,
+    ToolEnvironment,
+    ToolError,
+    expert_policy,
+    make,
+    register,
+    registered,
+    run_episode,
+)
+from jaxrl_agent.envs.tool_protocol import (
+    ParsedAction,
+    ToolCall,
+    ToolCallError,
+    ToolSpec,
+    format_answer,
+    format_tool_call,
+    format_tool_result,
+    parse_tool_calls,
+)
+
+# Importing the built-in environments registers them.
+from jaxrl_agent.envs import calculator, code, kb_search, terminal  # noqa: E402,F401
+
+BUILTIN_ENVS = ("calculator", "kb_search", "terminal", "code")
