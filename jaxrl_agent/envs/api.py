@@ -282,6 +282,14 @@ def make(name: str, **kwargs) -> Environment:
     return env
 
 
+def factory_module(name: str) -> str | None:
+    """The module that registered `name` (worker processes import it before `make`)."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise ValueError(f"unknown environment {name!r}; registered: {registered()}")
+    return getattr(entry.factory, "__module__", None)
+
+
 def expert_policy(name: str) -> Expert:
     entry = _REGISTRY.get(name)
     if entry is None:

@@ -1,0 +1,303 @@
+"""The environment service: environments in worker processes, isolated from the trainer and each other.
+
+`EnvPool(num_workers)` runs episodes in worker processes (`python -m jaxrl_agent.envs.worker`; no
+JAX in them). Each call has
+a timeout. When a worker hangs (timeout), crashes (dies, or runs out of memory under its address
+space limit) the pool kills it and starts a replacement: the episode whose call was in flight ends
+with `finish_reason="env_timeout"` or `"env_crash"`, and the other episodes the worker held are
+rebuilt on the replacement by replaying their actions — environments are deterministic in
+(task, seed, actions) — so no other episode is affected. An exception raised by an environment's
+own code ends that episode with `"env_error"` and leaves the worker running.
+
+`EnvService` is the interface the trainer uses; `EnvPool` (local) and `RemoteEnvPool`
+(`jaxrl_agent.envs.remote`, over TCP to `launch/env_server.py`) both implement it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Mapping, Protocol, Sequence
+
+from jaxrl_agent.envs import api
+
+
+class EnvService(Protocol):
+    """What the rollout layer needs from an environment service (local or remote)."""
+
+    def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
+              ) -> tuple[str, api.Observation]: ...
+
+    def step(self, episode_id: str, action: str) -> api.Step: ...
+
+    def close_episode(self, episode_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EnvServiceError(RuntimeError):
+    """A request the service cannot serve (unknown episode, bad environment name, closed pool)."""
+
+
+# ------------------------------------------------------------------------------------ parent side
+@dataclasses.dataclass
+class _Episode:
+    env: str
+    env_kwargs: dict
+    task: api.Task
+    seed: int
+    imports: tuple[str, ...]
+    worker: int
+    actions: list[str] = dataclasses.field(default_factory=list)
+    needs_replay: bool = False
+
+
+class _WorkerDied(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Worker:
+    """One `python -m jaxrl_agent.envs.worker` process, spoken to in JSON lines over its stdin/stdout.
+
+    A plain subprocess (not multiprocessing): nothing of the parent — JAX threads, the caller's
+    `__main__` — is inherited or re-imported."""
+
+    def __init__(self, memory_mb, imports):
+        args = [sys.executable, "-m", "jaxrl_agent.envs.worker"]
+        if memory_mb:
+            args += ["--memory_mb", str(memory_mb)]
+        for module in imports:
+            args += ["--import", module]
+        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                        env=_worker_env())
+        self.lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def call(self, request: dict, timeout: float) -> dict:
+        """Sends a request and waits; raises _WorkerDied('env_timeout' | 'env_crash')."""
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+            if not ready:
+                raise _WorkerDied("env_timeout")
+            line = self.process.stdout.readline()
+        except (OSError, ValueError):
+            raise _WorkerDied("env_crash") from None
+        if not line:
+            raise _WorkerDied("env_crash")
+        return json.loads(line)
+
+    def kill(self):
+        if self.alive():
+            self.process.kill()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    # The worker must import this package even when it is not installed (a source checkout).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class EnvPool:
+    """Environments in `num_workers` processes with per-call timeouts and crash isolation.
+
+    Thread-safe: calls on episodes held by different workers run in parallel.
+
+    Args:
+      num_workers: worker processes; the pool keeps this many alive.
+      step_timeout_s: longest a `step` (or `reset`) may take before the worker is replaced.
+      worker_memory_mb: address-space limit of each worker (None: no limit).
+      imports: modules every worker imports at start (where your `register(...)` calls live).
+    """
+
+    def __init__(self, num_workers: int = 2, *, step_timeout_s: float = 30.0, worker_memory_mb: int | None = 4096,
+                 imports: Sequence[str] = ()):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.step_timeout_s = step_timeout_s
+        self._memory_mb = worker_memory_mb
+        self._imports = tuple(imports)
+        self._workers = [_Worker(worker_memory_mb, self._imports) for _ in range(num_workers)]
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._closed = False
+        self.stats = {"worker_restarts": 0, "env_timeout": 0, "env_crash": 0, "env_error": 0, "replays": 0}
+
+    # -------------------------------------------------------------------------- helpers
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+    def _check_open(self):
+        if self._closed:
+            raise EnvServiceError("the pool is closed")
+
+    def _replace(self, index: int, reason: str) -> None:
+        """Kills worker `index`, starts a new one, and marks its other episodes for replay."""
+        self._workers[index].kill()
+        self._workers[index] = _Worker(self._memory_mb, self._imports)
+        self.stats["worker_restarts"] += 1
+        self.stats[reason] += 1
+        with self._lock:
+            for episode in self._episodes.values():
+                if episode.worker == index:
+                    episode.needs_replay = True
+
+    def _reset_request(self, episode_id: str, ep: _Episode, replay: Sequence[str] = ()) -> dict:
+        return {"op": "reset", "episode": episode_id, "env": ep.env, "env_kwargs": ep.env_kwargs,
+                "task": ep.task.to_dict(), "seed": ep.seed, "imports": ep.imports, "replay": list(replay)}
+
+    def _failed_step(self, episode_id: str, reason: str, detail: str) -> api.Step:
+        with self._lock:
+            ep = self._episodes.pop(episode_id, None)
+        info = {"finish_reason": reason, "success": False, "error": detail,
+                "turns": len(ep.actions) if ep else 0, "reward_components": {}}
+        return api.Step(api.Observation(""), 0.0, True, info)
+
+    # -------------------------------------------------------------------------- the service
+    def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
+              ) -> tuple[str, api.Observation]:
+        """Starts an episode on the least-loaded worker; returns (episode id, first observation)."""
+        self._check_open()
+        factory_module = api.factory_module(env)
+        imports = (factory_module,) if factory_module and factory_module != "__main__" else ()
+        with self._lock:
+            loads = [0] * len(self._workers)
+            for episode in self._episodes.values():
+                loads[episode.worker] += 1
+            index = loads.index(min(loads))
+            episode_id = f"ep{next(self._ids)}"
+            ep = _Episode(env, dict(env_kwargs or {}), task, seed, imports, index)
+            self._episodes[episode_id] = ep
+        with self._workers[index].lock:
+            if not self._workers[index].alive():
+                self._replace(index, "env_crash")
+            worker = self._workers[index]
+            try:
+                reply = worker.call(self._reset_request(episode_id, ep), self.step_timeout_s)
+            except _WorkerDied as died:
+                self._replace(index, died.reason)
+                with self._lock:
+                    self._episodes.pop(episode_id, None)
+                raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {died.reason}") from None
+        if "error" in reply:
+            with self._lock:
+                self._episodes.pop(episode_id, None)
+            raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {reply['error']}")
+        return episode_id, api.Observation.from_dict(reply["ok"])
+
+    def step(self, episode_id: str, action: str) -> api.Step:
+        """Applies an action. Never raises for environment failures: they end the episode with a
+        `finish_reason` of 'env_timeout', 'env_crash' or 'env_error' in `info`."""
+        self._check_open()
+        with self._lock:
+            ep = self._episodes.get(episode_id)
+        if ep is None:
+            raise EnvServiceError(f"unknown or finished episode {episode_id!r}")
+        index = ep.worker
+        with self._workers[index].lock:
+            if not self._workers[index].alive():
+                # Died while idle (nothing in flight): replace it; this episode is simply replayed.
+                self._replace(index, "env_crash")
+            worker = self._workers[index]
+            try:
+                if ep.needs_replay:
+                    self.stats["replays"] += 1
+                    reply = worker.call(self._reset_request(episode_id, ep, ep.actions), self.step_timeout_s)
+                    if "error" in reply:
+                        self.stats["env_crash"] += 1
+                        return self._failed_step(episode_id, "env_crash", f"replay failed: {reply['error']}")
+                    ep.needs_replay = False
+                reply = worker.call({"op": "step", "episode": episode_id, "action": action}, self.step_timeout_s)
+            except _WorkerDied as died:
+                self._replace(index, died.reason)
+                return self._failed_step(episode_id, died.reason, f"worker {died.reason} during step")
+        if "error" in reply:
+            if reply.get("kind") == "env":
+                self.stats["env_error"] += 1
+                return self._failed_step(episode_id, "env_error", reply["error"])
+            raise EnvServiceError(reply["error"])
+        ep.actions.append(action)
+        step = api.Step.from_dict(reply["ok"])
+        if step.done:
+            with self._lock:
+                self._episodes.pop(episode_id, None)
+        return step
+
+    def close_episode(self, episode_id: str) -> None:
+        with self._lock:
+            ep = self._episodes.pop(episode_id, None)
+        if ep is None:
+            return
+        worker = self._workers[ep.worker]
+        with worker.lock:
+            try:
+                self._workers[ep.worker].call({"op": "close", "episode": episode_id}, self.step_timeout_s)
+            except _WorkerDied as died:
+                self._replace(ep.worker, died.reason)
+
+    def ensure_workers(self) -> None:
+        """Replaces workers that died while idle (e.g. killed from outside)."""
+        for index, worker in enumerate(self._workers):
+            if not worker.alive():
+                with worker.lock:
+                    self._replace(index, "env_crash")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                worker.process.stdin.close()  # the worker exits at end of input
+                worker.process.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            worker.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Polls `predicate` until true or `timeout` seconds pass (test and ops helper)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,110 @@
+"""Built-in environments: experts solve them, random text does not, tasks are deterministic."""
+
+import json
+import random
+import string
+
+import pytest
+
+from jaxrl_agent import envs
+from jaxrl_agent.envs import calculator
+
+EPISODES = {"calculator": 100, "kb_search": 100, "terminal": 100, "code": 12}
+
+
+@pytest.mark.parametrize("name", envs.BUILTIN_ENVS)
+def test_scripted_expert_solves_every_difficulty(name):
+    env = envs.make(name)
+    expert = envs.expert_policy(name)
+    for difficulty in env.difficulties:
+        n = EPISODES[name]
+        solved = 0
+        for seed in range(n):
+            step, _, _ = envs.run_episode(env, env.sample_task(seed, difficulty), expert)
+            solved += step.info["success"]
+            assert step.info["finish_reason"] == "answer"
+            assert step.info["reward_components"]["correctness"] == float(step.info["success"])
+        assert solved / n >= 0.99, (name, difficulty, solved, n)
+
+
+def _random_text_policy(seed):
+    rng = random.Random(seed)
+
+    def policy(task, observations, actions):
+        text = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 60)))
+        # Sometimes wrap random text in the answer tag, so the verifier is actually exercised.
+        return f"<answer>{text}</answer>" if rng.random() < 0.5 else text
+
+    return policy
+
+
+@pytest.mark.parametrize("name", envs.BUILTIN_ENVS)
+def test_random_text_solves_about_nothing(name):
+    env = envs.make(name)
+    n = EPISODES[name]
+    solved = 0
+    for difficulty in env.difficulties:
+        for seed in range(n):
+            step, _, _ = envs.run_episode(env, env.sample_task(seed, difficulty), _random_text_policy(seed))
+            solved += step.info["success"]
+            assert step.info["finish_reason"] in ("answer", "max_turns")
+    assert solved / (n * len(env.difficulties)) <= 0.01
+
+
+@pytest.mark.parametrize("name", envs.BUILTIN_ENVS)
+def test_tasks_are_deterministic_per_seed_and_vary_across_seeds(name):
+    env = envs.make(name)
+    d = env.difficulties[-1]
+    assert env.sample_task(3, d) == env.sample_task(3, d)
+    assert envs.make(name).sample_task(3, d).to_json() == env.sample_task(3, d).to_json()
+    assert len({json.dumps(env.sample_task(s, d).verifier, sort_keys=True) for s in range(20)}) == 20
+    task = env.sample_task(5, d)
+    assert envs.Task.from_json(task.to_json()) == task
+
+
+def test_answer_is_never_in_the_kb_prompt():
+    env = envs.make("kb_search")
+    for d in env.difficulties:
+        for seed in range(50):
+            task = env.sample_task(seed, d)
+            assert task.verifier["answer"].lower() not in task.prompt.lower()
+
+
+def test_reward_components_and_weights():
+    env = envs.make("calculator", reward_weights={"format": 0.5, "efficiency": 0.1})
+    task = env.sample_task(0, 1)
+    env.reset(task)
+    env.step("no call here")  # malformed turn
+    step = env.step(f"<answer>{task.verifier['answer']}</answer>")
+    components = step.info["reward_components"]
+    assert components == {"correctness": 1.0, "format": -0.5, "efficiency": -2 / 4}
+    assert step.reward == pytest.approx(1.0 - 0.25 - 0.05)
+    with pytest.raises(ValueError, match="unknown reward component 'speed'"):
+        envs.make("calculator", reward_weights={"speed": 1.0})
+
+
+def test_max_turns_ends_the_episode():
+    env = envs.make("kb_search", max_turns=2)
+    env.reset(env.sample_task(0, 3))
+    assert not env.step("hello").done
+    step = env.step("hello again")
+    assert step.done and step.info["finish_reason"] == "max_turns" and step.reward <= 0
+
+
+@pytest.mark.parametrize("expr", ["__import__('os').system('true')", "2**10", "(1).real", "[1]*9", "a+1",
+                                  "9" * 300, "1/0", "10**10**10", "lambda: 1"])
+def test_calculator_refuses_anything_but_integer_arithmetic(expr):
+    with pytest.raises(calculator.CalcError):
+        calculator.safe_eval(expr)
+
+
+def test_calculator_evaluates_integer_arithmetic():
+    assert calculator.safe_eval("17*23+5") == 396
+    assert calculator.safe_eval("-(4 - 10) // 4 % 5") == 1
+
+
+def test_unknown_environment_and_difficulty():
+    with pytest.raises(ValueError, match="unknown environment 'chess'"):
+        envs.make("chess")
+    with pytest.raises(ValueError, match="difficulty 9"):
+        envs.make("calculator").sample_task(0, 9)
