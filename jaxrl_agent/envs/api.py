@@ -283,11 +283,10 @@ def make(name: str, **kwargs) -> Environment:
 
 
 def factory_module(name: str) -> str | None:
-    """The module that registered `name` (worker processes import it before `make`)."""
+    """The module that registered `name` (worker processes import it before `make`); None if `name`
+    is not registered in this process (it may be in the workers, through their imports)."""
     entry = _REGISTRY.get(name)
-    if entry is None:
-        raise ValueError(f"unknown environment {name!r}; registered: {registered()}")
-    return getattr(entry.factory, "__module__", None)
+    return None if entry is None else getattr(entry.factory, "__module__", None)
 
 
 def expert_policy(name: str) -> Expert:

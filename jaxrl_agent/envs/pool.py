@@ -159,6 +159,14 @@ class EnvPool:
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers]
 
+    def episode_worker_pid(self, episode_id: str) -> int:
+        """The pid of the worker process holding an episode (for operations and fault tests)."""
+        with self._lock:
+            ep = self._episodes.get(episode_id)
+        if ep is None:
+            raise EnvServiceError(f"unknown or finished episode {episode_id!r}")
+        return self._workers[ep.worker].pid
+
     def _check_open(self):
         if self._closed:
             raise EnvServiceError("the pool is closed")

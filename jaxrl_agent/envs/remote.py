@@ -18,7 +18,8 @@ from typing import Any, Mapping
 from jaxrl_agent.envs import api
 from jaxrl_agent.envs.pool import EnvPool, EnvServiceError
 
-_METHODS = ("reset", "step", "close_episode", "worker_pids", "stats", "num_workers", "ensure_workers")
+_METHODS = ("reset", "step", "close_episode", "worker_pids", "episode_worker_pid", "stats", "num_workers",
+            "ensure_workers")
 
 
 def _dispatch(pool: EnvPool, method: str, params: Mapping[str, Any]):
@@ -32,6 +33,8 @@ def _dispatch(pool: EnvPool, method: str, params: Mapping[str, Any]):
         return pool.close_episode(params["episode_id"])
     if method == "worker_pids":
         return pool.worker_pids()
+    if method == "episode_worker_pid":
+        return pool.episode_worker_pid(params["episode_id"])
     if method == "stats":
         return dict(pool.stats)
     if method == "num_workers":
@@ -121,6 +124,9 @@ class RemoteEnvPool:
 
     def worker_pids(self) -> list[int]:
         return self._call("worker_pids")
+
+    def episode_worker_pid(self, episode_id: str) -> int:
+        return self._call("episode_worker_pid", episode_id=episode_id)
 
     @property
     def stats(self) -> dict:

@@ -1,0 +1,137 @@
+"""Fault isolation of the environment service, locally and over loopback TCP."""
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxrl_agent import envs
+from jaxrl_agent.envs import pool as pool_lib, remote, testing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TASK = testing.FaultyEnv().sample_task(0, 1)
+
+
+@pytest.fixture(scope="module")
+def local_pool():
+    with pool_lib.EnvPool(2, step_timeout_s=2.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def remote_pool():
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch" / "env_server.py"), "--port", "0", "--workers", "2",
+         "--step_timeout_s", "2", "--worker_memory_mb", "1024", "--import", "jaxrl_agent.envs.testing"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", line).group(1))
+    client = remote.RemoteEnvPool("127.0.0.1", port, timeout_s=30)
+    yield client
+    client.close()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(params=["local", "remote"])
+def service(request):
+    return request.getfixturevalue(f"{request.param}_pool")
+
+
+def _open(service, n):
+    return [service.reset("faulty", TASK)[0] for _ in range(n)]
+
+
+def _count(service, episode):
+    step = service.step(episode, "count")
+    assert not step.done, step.info
+    return int(step.observation.text.split("=")[1])
+
+
+@pytest.mark.parametrize("fault, reason", [("crash", "env_crash"), ("hang", "env_timeout"), ("oom", "env_crash")])
+def test_fault_ends_only_that_episode(service, fault, reason):
+    episodes = _open(service, 4)  # two per worker
+    for e in episodes:
+        assert _count(service, e) == 1
+    step = service.step(episodes[0], fault)
+    assert step.done and step.info["finish_reason"] == reason and not step.info["success"]
+    # Every other episode continues with its state intact (replayed where its worker was replaced).
+    for e in episodes[1:]:
+        assert _count(service, e) == 2
+    assert service.num_workers == 2
+    with pytest.raises(pool_lib.EnvServiceError, match="unknown or finished episode"):
+        service.step(episodes[0], "count")
+    for e in episodes[1:]:
+        service.close_episode(e)
+
+
+def test_killing_a_worker_mid_step(service):
+    episodes = _open(service, 4)
+    for e in episodes:
+        _count(service, e)
+    pids_before = set(service.worker_pids())
+    busy = service.episode_worker_pid(episodes[0])
+    result = {}
+    slow = threading.Thread(target=lambda: result.setdefault("step", service.step(episodes[0], "sleep:1.5")))
+    slow.start()
+    time.sleep(0.5)
+    os.kill(busy, signal.SIGKILL)  # the worker serving the slow step, mid-step
+    slow.join(timeout=10)
+    assert result["step"].info["finish_reason"] == "env_crash"
+    for e in episodes[1:]:
+        assert _count(service, e) == 2
+    pids_after = set(service.worker_pids())
+    assert len(pids_after) == 2 and busy not in pids_after and pids_after & pids_before
+
+
+def test_worker_killed_while_idle_is_replaced_without_losing_episodes(service):
+    episodes = _open(service, 4)
+    for e in episodes:
+        _count(service, e)
+    for pid in service.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    for e in episodes:
+        assert _count(service, e) == 2  # replayed on fresh workers: nothing lost
+    service.ensure_workers()
+    assert service.num_workers == 2
+    for e in episodes:
+        service.close_episode(e)
+
+
+def test_environment_exception_is_recorded(service):
+    (episode,) = _open(service, 1)
+    step = service.step(episode, "raise")
+    assert step.done and step.info["finish_reason"] == "env_error" and "environment failed" in step.info["error"]
+
+
+def test_bad_requests_raise_service_errors(service):
+    with pytest.raises(pool_lib.EnvServiceError):
+        service.reset("no_such_env", TASK)
+    with pytest.raises(pool_lib.EnvServiceError):
+        service.step("ep_missing", "count")
+
+
+def test_pool_runs_builtin_envs_with_experts(service):
+    env = envs.make("kb_search")
+    expert = envs.expert_policy("kb_search")
+    for seed in range(3):
+        task = env.sample_task(seed, 3)
+        episode, first = service.reset("kb_search", task)
+        observations, actions = [first.text], []
+        while True:
+            actions.append(expert(task, observations, actions))
+            step = service.step(episode, actions[-1])
+            observations.append(step.observation.text)
+            if step.done:
+                break
+        assert step.info["success"]
