@@ -22,6 +22,7 @@ setuptools.setup(
         "chex>=0.1.89",
         "ml-collections>=1.0.0",
         "tensorflow-datasets>=4.9.8",
+        "importlib_resources>=6.0",  # tensorflow-datasets needs it to read builder metadata
         "numpy>=1.26",
         "absl-py>=2.1.0",
         # Hugging Face checkpoints and tokenizers.
