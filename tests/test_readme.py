@@ -17,3 +17,14 @@ def test_model_api_example_runs():
     assert namespace["logits"].shape == (1, 4, 128)
     assert namespace["step_logits"].shape == (1, 128)
     assert namespace["packed"].shape == (1, 4, 128)
+
+
+def test_environment_examples_run():
+    blocks = [b for b in _python_blocks() if "envs." in b and "datasets" not in b]
+    assert len(blocks) == 2
+    for block in blocks:
+        namespace = {}
+        exec(compile(block, "README.md", "exec"), namespace)
+    custom = next(b for b in blocks if "ReverseEnv" in b)
+    assert len(custom.strip().splitlines()) <= 40
+    assert namespace["final"].info["success"]
