@@ -55,6 +55,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.mesh.fsdp = -1  # Parameter-sharded data-parallel axis; -1 = all remaining devices.
     config.mesh.tensor = 1  # Tensor-parallel axis size (heads, MLP width).
 
+    config.sampler = ml_collections.ConfigDict()
+    config.sampler.max_concurrent_decodes = 32  # KV-cache slots (requests decoded together).
+    config.sampler.max_prefill_length = 256  # Longest prompt in tokens (power of two); longer ones are rejected.
+    config.sampler.max_cache_length = 512  # Tokens per slot: prompt + generation.
+    config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
+    config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
+
     config.smoke = ml_collections.ConfigDict()
     config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.
     config.smoke.seq_len = 32  # Tokens per row in that check.

@@ -45,6 +45,20 @@ def build_model(config, mesh: jax.sharding.Mesh | None = None) -> tuple[models.M
     return model_config, params
 
 
+def build_engine(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *, version: int = 0):
+    """The JetStream engine for the sampler section of the config."""
+    from jaxrl_agent.sampling.engine import AgentEngine
+
+    return AgentEngine(
+        model_config, params, tok,
+        max_concurrent_decodes=config.sampler.max_concurrent_decodes,
+        max_prefill_length=config.sampler.max_prefill_length,
+        max_cache_length=config.sampler.max_cache_length,
+        steps_per_call=config.sampler.steps_per_call,
+        version=version, seed=config.seed,
+    )
+
+
 def smoke_forward(config) -> dict:
     """Builds tokenizer, mesh and model and runs one sharded forward pass; returns a summary."""
     mesh = build_mesh(config)

@@ -1,0 +1,109 @@
+"""`SamplerClient`: asyncio client of one or more sampler servers.
+
+`await client.generate(prompt_ids, sampling) -> Completion` goes to the server with the fewest
+requests in flight; if that server fails (unreachable, died mid-request) the request is retried on
+another, and the failed server is avoided for `cooldown_s`. A prompt the server rejects (too long,
+bad ids) raises at once, without retries. `update_weights(params, version)` pushes weights to every
+server (msgpack over gRPC), `load_checkpoint(path, version)` makes every server load an orbax
+checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Sequence
+
+import grpc
+
+from jaxrl_agent.sampling.engine import PromptTooLongError, SamplingParams
+from jaxrl_agent.sampling.local import Completion
+from jaxrl_agent.sampling.server import GRPC_OPTIONS, SERVICE, encode_weights
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class SamplerUnavailableError(RuntimeError):
+    """No server could complete the request."""
+
+
+class _Server:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        as_json = dict(request_serializer=lambda r: json.dumps(r).encode(), response_deserializer=json.loads)
+        self.generate = self.channel.unary_unary(f"/{SERVICE}/Generate", **as_json)
+        self.info = self.channel.unary_unary(f"/{SERVICE}/Info", **as_json)
+        self.load_checkpoint = self.channel.unary_unary(f"/{SERVICE}/LoadCheckpoint", **as_json)
+        self.update_weights = self.channel.unary_unary(f"/{SERVICE}/UpdateWeights", request_serializer=None,
+                                                       response_deserializer=json.loads)
+        self.in_flight = 0
+        self.down_until = 0.0
+
+
+class SamplerClient:
+    def __init__(self, addresses: Sequence[str], *, timeout_s: float = 300.0, cooldown_s: float = 5.0,
+                 max_attempts: int | None = None):
+        if not addresses:
+            raise ValueError("SamplerClient needs at least one server address")
+        self._servers = [_Server(a) for a in addresses]
+        self.timeout_s = timeout_s
+        self.cooldown_s = cooldown_s
+        self.max_attempts = max_attempts or 2 * len(addresses)
+        self.stats = {"retries": 0}
+
+    def _pick(self, exclude: set[str]) -> _Server | None:
+        now = time.monotonic()
+        candidates = [s for s in self._servers if s.address not in exclude]
+        healthy = [s for s in candidates if s.down_until <= now] or candidates
+        return min(healthy, key=lambda s: s.in_flight) if healthy else None
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Completion:
+        request = {"prompt_ids": [int(i) for i in prompt_ids], "sampling": sampling.to_dict()}
+        tried: set[str] = set()
+        errors = []
+        for attempt in range(self.max_attempts):
+            server = self._pick(tried if len(tried) < len(self._servers) else set())
+            server.in_flight += 1
+            try:
+                reply = await server.generate(request, timeout=self.timeout_s)
+                return Completion.from_dict(reply)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    message = err.details() or ""
+                    raise (PromptTooLongError if "max_prefill_length" in message else ValueError)(message) from None
+                if err.code() not in _RETRYABLE:
+                    raise
+                server.down_until = time.monotonic() + self.cooldown_s
+                tried.add(server.address)
+                errors.append(f"{server.address}: {err.code().name}")
+                self.stats["retries"] += 1
+            finally:
+                server.in_flight -= 1
+        raise SamplerUnavailableError(f"no sampler server completed the request: {errors}")
+
+    async def _each(self, call):
+        results = await asyncio.gather(*(call(s) for s in self._servers), return_exceptions=True)
+        failures = {s.address: r for s, r in zip(self._servers, results) if isinstance(r, Exception)}
+        return results, failures
+
+    async def update_weights(self, params, version: int) -> dict[str, Exception]:
+        """Pushes weights to every server; returns {address: error} for servers that failed."""
+        payload = encode_weights(params, version)
+        _, failures = await self._each(lambda s: s.update_weights(payload, timeout=self.timeout_s))
+        return failures
+
+    async def load_checkpoint(self, path: str, version: int) -> dict[str, Exception]:
+        _, failures = await self._each(
+            lambda s: s.load_checkpoint({"path": path, "version": int(version)}, timeout=self.timeout_s))
+        return failures
+
+    async def info(self) -> list:
+        results, _ = await self._each(lambda s: s.info({}, timeout=self.timeout_s))
+        return results
+
+    async def close(self) -> None:
+        for server in self._servers:
+            await server.channel.close()

@@ -1,0 +1,50 @@
+"""Pure token sampling: temperature, top-k, top-p, and the log-prob of what was sampled.
+
+The reported log-probability is log q(token) under the distribution q the token was actually drawn
+from: softmax(logits / T) restricted to the top-k / top-p set and renormalised. With top-k and
+top-p off, that is exactly what the learner recomputes as log_softmax(logits / T)[token]. Greedy
+decoding (T = 0) reports log_softmax(logits)[argmax], the untempered model's log-prob.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks logits [B, V] outside each row's top-k (0 = off) and top-p nucleus (1 = off) to -inf."""
+    v = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the token that crosses it is kept).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    in_nucleus = mass_before < top_p[:, None]
+    cutoff = jnp.min(jnp.where(in_nucleus, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def sample_tokens(
+    logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row.
+
+    Args:
+      logits: [B, V] float32.  rng: PRNG key.  temperature: [B] (0 = greedy).
+      top_k: [B] int (0 = off).  top_p: [B] float (1 = off).
+
+    Returns:
+      (tokens [B] int32, logprobs [B] float32 under the distribution sampled from).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    filtered = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+    sampled = jax.random.categorical(rng, filtered, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    log_q = jax.nn.log_softmax(jnp.where(greedy[:, None], logits, filtered), axis=-1)
+    return tokens, jnp.take_along_axis(log_q, tokens[:, None], axis=-1)[:, 0]

@@ -1,0 +1,358 @@
+"""A JetStream `Engine` for our transformer: bucketed prefill, KV-cache slots, batched multi-step decode.
+
+The math is `jaxrl_agent.models` (prefill / decode_step) and `sampling.decoding` (temperature,
+top-k, top-p); this module arranges it into JetStream's engine API:
+
+  prefill(params=..., padded_tokens, true_length, sampling=...) -> Prefix   (samples the 1st token)
+  insert(prefix, decode_state, slot) -> decode_state
+  generate(params, decode_state) -> (decode_state, ResultTokens)            (`steps_per_call` tokens)
+
+Each emitted token carries its log-probability under the distribution it was drawn from and the
+policy version of the weights that drew it. The engine holds `(params, version)` itself and reads
+them at every call, so `update_weights` takes effect at the next step without a restart (JetStream's
+Driver reads the params it was given once per thread; we ignore those). A slot stops emitting after
+a stop token (which is emitted, with its log-prob) or when its cache is full.
+
+`ResultTokens.data` is int32 [slots, 4k + 1] for k = steps_per_call: k tokens, k valid flags, the
+slot's generated length, k float32 log-probs (bit-cast), k versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_agent import models
+from jaxrl_agent.sampling import decoding
+from jaxrl_agent.sampling.jetstream_compat import import_jetstream
+
+engine_api, _, _, _, token_utils = import_jetstream()
+
+MIN_PREFILL_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 64
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> "SamplingParams":
+        return cls(**dict(d))
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that does not fit the engine; never truncated."""
+
+
+class Prefix(flax.struct.PyTreeNode):
+    k: jax.Array  # [L, 1, K, P, D]
+    v: jax.Array
+    true_length: jax.Array  # [] int32
+    first_token: jax.Array  # [] int32
+    first_logprob: jax.Array  # [] float32
+    version: jax.Array  # [] int32
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+class DecodeState(flax.struct.PyTreeNode):
+    cache: models.KVCache  # [L, B, K, S, D]
+    next_token: jax.Array  # [B] sampled, not yet emitted
+    next_logprob: jax.Array  # [B]
+    next_version: jax.Array  # [B]
+    position: jax.Array  # [B] position next_token occupies
+    generated: jax.Array  # [B] tokens emitted so far
+    active: jax.Array  # [B] bool
+    temperature: jax.Array  # [B]
+    top_k: jax.Array  # [B]
+    top_p: jax.Array  # [B]
+    rng: jax.Array
+
+
+def result_columns(steps: int) -> dict[str, tuple[int, int]]:
+    return {"tokens": (0, steps), "valid": (steps, 2 * steps), "length": (2 * steps, 2 * steps + 1),
+            "logprobs": (2 * steps + 1, 3 * steps + 1), "versions": (3 * steps + 1, 4 * steps + 1)}
+
+
+def decode_result_row(data: np.ndarray, slot: int, steps: int) -> dict[str, np.ndarray]:
+    """Host-side view of one slot's row of ResultTokens.data."""
+    cols = result_columns(steps)
+    row = np.asarray(data[slot])
+    return {
+        "tokens": row[slice(*cols["tokens"])],
+        "valid": row[slice(*cols["valid"])].astype(bool),
+        "length": int(row[cols["length"][0]]),
+        "logprobs": row[slice(*cols["logprobs"])].view(np.float32),
+        "versions": row[slice(*cols["versions"])],
+    }
+
+
+class EngineTokenizer:
+    """Our Tokenizer seen through JetStream's tokenizer API (ids in, ids out)."""
+
+    def __init__(self, tokenizer, stop_ids: Sequence[int]):
+        self._tok = tokenizer
+        self._stop = set(int(i) for i in stop_ids)
+
+    def encode(self, s: str, **kwargs):
+        ids = np.asarray(self._tok.encode(s), np.int32)
+        return ids, len(ids)
+
+    def decode(self, token_ids, **kwargs) -> str:
+        return self._tok.decode([int(t) for t in token_ids])
+
+    def decode_str(self, token_ids) -> str:
+        return self.decode(token_ids)
+
+    @property
+    def pad_id(self) -> int:
+        return self._tok.pad_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._tok.eos_id
+
+    @property
+    def bos_id(self) -> int:
+        return self._tok.pad_id  # we never prepend a BOS: prompts arrive as complete id sequences
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        return set(self._stop)
+
+
+class AgentEngine(engine_api.Engine):
+    """JetStream engine over `models.ModelConfig` + params, with live weight updates.
+
+    Args:
+      config: the model architecture.  params: its parameters.
+      tokenizer: a `jaxrl_agent.tokenizer.Tokenizer` (for text requests and the stop token).
+      max_concurrent_decodes: KV-cache slots B.
+      max_prefill_length: longest prompt, a power of two (prompts are padded to power-of-two buckets).
+      max_cache_length: tokens per slot (prompt + generation); defaults to 2 * max_prefill_length.
+      steps_per_call: decode steps per `generate` call (amortises per-call overhead).
+      stop_token_ids: ids that end a sample (default: the tokenizer's eos).
+      version: policy version of `params`.
+    """
+
+    def __init__(self, config: models.ModelConfig, params, tokenizer, *, max_concurrent_decodes: int = 8,
+                 max_prefill_length: int = 256, max_cache_length: int | None = None, steps_per_call: int = 4,
+                 stop_token_ids: Sequence[int] | None = None, version: int = 0, seed: int = 0,
+                 mesh: jax.sharding.Mesh | None = None):
+        if max_prefill_length < MIN_PREFILL_BUCKET or max_prefill_length & (max_prefill_length - 1):
+            raise ValueError(f"max_prefill_length must be a power of two >= {MIN_PREFILL_BUCKET}, got {max_prefill_length}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self._slots = max_concurrent_decodes
+        self._max_prefill = max_prefill_length
+        self.max_cache_length = max_cache_length or 2 * max_prefill_length
+        if self.max_cache_length < max_prefill_length:
+            raise ValueError("max_cache_length must be >= max_prefill_length")
+        self.steps_per_call = steps_per_call
+        self.stop_token_ids = tuple(stop_token_ids if stop_token_ids is not None else (tokenizer.eos_id,))
+        self._mesh = mesh or jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+        self._lock = threading.Lock()
+        self._params = params
+        self._version = int(version)
+        self._seed = seed
+        self._prefill_fn = jax.jit(functools.partial(_prefill, config))
+        self._insert_fn = jax.jit(_insert, donate_argnums=(1,))
+        self._generate_fn = jax.jit(
+            functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
+            donate_argnums=(1,))
+        self._prefill_count = 0
+
+    # ---------------------------------------------------------------- weights
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def current_params(self):
+        with self._lock:
+            return self._params, self._version
+
+    def update_weights(self, params, version: int) -> None:
+        """New weights for every call from now on; tokens they sample carry `version`."""
+        params = jax.tree.map(lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
+                              params, self._params)
+        with self._lock:
+            self._params, self._version = params, int(version)
+
+    # ---------------------------------------------------------------- JetStream Engine API
+    def load_params(self, *args, **kwargs):
+        return self._params
+
+    def bucket_length(self, length: int) -> int:
+        if length > self._max_prefill:
+            raise PromptTooLongError(
+                f"prompt of {length} tokens exceeds max_prefill_length={self._max_prefill}")
+        return max(MIN_PREFILL_BUCKET, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
+
+    def prefill(self, *, params=None, existing_prefix=None, padded_tokens, true_length: int,
+                sampling: SamplingParams | None = None) -> Prefix:
+        del params  # the engine's own (params, version), read now
+        if existing_prefix is not None:
+            raise NotImplementedError("prefix caching is not supported; send the whole history as ids")
+        sampling = sampling or SamplingParams()
+        tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+        if true_length < 1 or true_length > tokens.shape[0]:
+            raise ValueError(f"true_length={true_length} does not fit padded tokens of length {tokens.shape[0]}")
+        bucket = self.bucket_length(true_length)
+        if tokens.shape[0] != bucket:
+            tokens = np.pad(tokens[:true_length], (0, bucket - true_length), constant_values=self.tokenizer.pad_id)
+        params, version = self.current_params()
+        self._prefill_count += 1
+        rng = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._prefill_count)
+        return self._prefill_fn(params, jnp.asarray(tokens)[None], jnp.int32(true_length), rng,
+                                jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                                jnp.float32(sampling.top_p), jnp.int32(version))
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        return self._insert_fn(prefix, decode_state, jnp.int32(slot))
+
+    def generate(self, params, decode_state: DecodeState):
+        del params
+        params, version = self.current_params()
+        state, data = self._generate_fn(params, decode_state, jnp.int32(version))
+        k = self.steps_per_call
+        result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
+                                         length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
+        return state, result
+
+    def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Stops a slot (its request completed on the host side, e.g. at max_tokens)."""
+        return decode_state.replace(active=decode_state.active.at[slot].set(False))
+
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        b, c = self._slots, self.config
+        shape = (c.num_layers, b, c.num_kv_heads, self.max_cache_length, c.head_dim)
+        zeros_i = lambda: jnp.zeros((b,), jnp.int32)  # distinct buffers: the state is donated
+        return DecodeState(
+            cache=models.KVCache(jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype)),
+            next_token=zeros_i(), next_logprob=jnp.zeros((b,), jnp.float32), next_version=zeros_i(),
+            position=zeros_i(), generated=zeros_i(), active=jnp.zeros((b,), bool),
+            temperature=jnp.ones((b,), jnp.float32), top_k=zeros_i(), top_p=jnp.ones((b,), jnp.float32),
+            rng=jax.random.PRNGKey(self._seed + 1),
+        )
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+    def get_tokenizer(self):
+        from jetstream.engine import tokenizer_pb2
+
+        return tokenizer_pb2.TokenizerParameters(path="jaxrl_agent")
+
+    def build_tokenizer(self, metadata) -> EngineTokenizer:
+        return EngineTokenizer(self.tokenizer, self.stop_token_ids)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self):
+        return None
+
+
+# ------------------------------------------------------------------------------ jitted functions
+def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p, version) -> Prefix:
+    cache = models.init_cache(config, 1, tokens.shape[1])
+    logits, cache = models.prefill(config, params, tokens, cache)
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    token, logprob = decoding.sample_tokens(last, rng, temperature[None], top_k[None], top_p[None])
+    return Prefix(k=cache.k, v=cache.v, true_length=true_length, first_token=token[0], first_logprob=logprob[0],
+                  version=version, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+    def put(cache, rows):  # cache [L, B, K, S, D], rows [L, 1, K, P, D] -> slot's first P positions
+        return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), (0, slot, 0, 0, 0))
+
+    cache = models.KVCache(put(state.cache.k, prefix.k), put(state.cache.v, prefix.v))
+    at = lambda array, value: array.at[slot].set(value)
+    return state.replace(
+        cache=cache,
+        next_token=at(state.next_token, prefix.first_token),
+        next_logprob=at(state.next_logprob, prefix.first_logprob),
+        next_version=at(state.next_version, prefix.version),
+        position=at(state.position, prefix.true_length),
+        generated=at(state.generated, 0),
+        active=at(state.active, True),
+        temperature=at(state.temperature, prefix.temperature),
+        top_k=at(state.top_k, prefix.top_k),
+        top_p=at(state.top_p, prefix.top_p),
+    )
+
+
+def _generate(config, steps, stop_ids, params, state: DecodeState, version):
+    max_len = state.cache.k.shape[3]
+
+    def step(state: DecodeState, _):
+        emit = (state.next_token, state.next_logprob, state.next_version, state.active)
+        is_stop = jnp.any(state.next_token[:, None] == stop_ids[None, :], axis=-1)
+        generated = state.generated + state.active.astype(jnp.int32)
+        # Run the model on the token just emitted, at its position, to sample the next one.
+        position = jnp.minimum(state.position, max_len - 1)
+        logits, cache = models.decode_step(config, params, state.next_token, position, state.cache)
+        rng, key = jax.random.split(state.rng)
+        token, logprob = decoding.sample_tokens(logits, key, state.temperature, state.top_k, state.top_p)
+        keep_going = state.active & ~is_stop & (state.position < max_len)
+        new_state = state.replace(
+            cache=cache,
+            next_token=jnp.where(keep_going, token, state.next_token),
+            next_logprob=jnp.where(keep_going, logprob, state.next_logprob),
+            next_version=jnp.where(keep_going, version, state.next_version),
+            position=state.position + keep_going.astype(jnp.int32),
+            generated=generated,
+            active=keep_going,
+            rng=rng,
+        )
+        return new_state, emit
+
+    state, (tokens, logprobs, versions, valid) = jax.lax.scan(step, state, None, length=steps)
+    # [steps, B] -> [B, 4 * steps + 1] int32
+    data = jnp.concatenate([
+        tokens.T, valid.T.astype(jnp.int32), state.generated[:, None],
+        jax.lax.bitcast_convert_type(logprobs.T.astype(jnp.float32), jnp.int32), versions.T,
+    ], axis=1).astype(jnp.int32)
+    return state, data

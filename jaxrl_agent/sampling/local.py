@@ -1,0 +1,205 @@
+"""The in-process sampler: the same engine, driven by one thread, no gRPC.
+
+`LocalSampler(engine)` does continuous batching itself — admit waiting requests into free slots
+(prefill + insert), run `generate` (several decode steps per call), hand finished completions back
+— and exposes the same `await generate(prompt_ids, sampling) -> Completion` and
+`update_weights(params, version)` as the remote `SamplerClient`. Used by tests, notebooks and the
+CPU default, where a server hop would only cost time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from jaxrl_agent.sampling.engine import AgentEngine, PromptTooLongError, SamplingParams, decode_result_row
+
+FINISH_REASONS = ("stop", "length", "context_limit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """What the sampler produced for one request, token by token.
+
+    token_ids: the generated ids (a final stop token included); logprobs: log q of each under the
+    distribution it was sampled from; versions: the policy version that sampled each;
+    finish_reason: 'stop' (stop token), 'length' (max_tokens) or 'context_limit' (cache full).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: str
+
+    def to_dict(self) -> dict:
+        return {"token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
+                "versions": list(self.versions), "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_dict(cls, d) -> "Completion":
+        return cls(tuple(int(t) for t in d["token_ids"]), tuple(float(x) for x in d["logprobs"]),
+                   tuple(int(v) for v in d["versions"]), d["finish_reason"])
+
+
+class Sampler(Protocol):
+    """What rollouts need from a sampler, local or remote."""
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion: ...
+
+    def update_weights(self, params, version: int): ...
+
+
+class CompletionBuilder:
+    """Accumulates one request's tokens from engine result rows and decides when it is finished."""
+
+    def __init__(self, max_tokens: int, stop_ids):
+        self.max_tokens = max_tokens
+        self.stop_ids = set(stop_ids)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+
+    def add_row(self, row: dict) -> tuple[list[int], list[float], list[int]]:
+        """Consumes one slot row; returns the newly accepted (tokens, logprobs, versions)."""
+        start = len(self.tokens)
+        for token, valid, logprob, version in zip(row["tokens"], row["valid"], row["logprobs"], row["versions"]):
+            if self.finish_reason is not None:
+                break
+            if not valid:
+                self.finish_reason = "context_limit"  # the engine stopped the slot: its cache is full
+                break
+            self.tokens.append(int(token))
+            self.logprobs.append(float(logprob))
+            self.versions.append(int(version))
+            if int(token) in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.max_tokens:
+                self.finish_reason = "length"
+        return self.tokens[start:], self.logprobs[start:], self.versions[start:]
+
+    def completion(self) -> Completion:
+        return Completion(tuple(self.tokens), tuple(self.logprobs), tuple(self.versions), self.finish_reason)
+
+
+def check_prompt(engine: AgentEngine, prompt_ids: Sequence[int]) -> np.ndarray:
+    ids = np.asarray(prompt_ids, np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError("empty prompt")
+    if ids.size > engine.max_prefill_length:
+        raise PromptTooLongError(
+            f"prompt of {ids.size} tokens exceeds max_prefill_length={engine.max_prefill_length}; "
+            "prompts are never truncated")
+    if ids.min() < 0 or ids.max() >= engine.config.vocab_size:
+        raise ValueError(f"prompt ids must lie in [0, {engine.config.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    return ids.astype(np.int32)
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: np.ndarray
+    sampling: SamplingParams
+    future: concurrent.futures.Future
+    builder: CompletionBuilder
+
+
+class LocalSampler:
+    """Continuous batching over an AgentEngine in a background thread."""
+
+    def __init__(self, engine: AgentEngine):
+        self.engine = engine
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0}
+        self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> concurrent.futures.Future:
+        prompt = check_prompt(self.engine, prompt_ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        request = _Request(prompt, sampling, future, CompletionBuilder(sampling.max_tokens, self.engine.stop_token_ids))
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the sampler is closed")
+            self._pending.append(request)
+            self._wake.notify()
+        return future
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Completion:
+        return await asyncio.wrap_future(self.submit(prompt_ids, sampling))
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams()
+                      ) -> list[Completion]:
+        futures = [self.submit(p, sampling) for p in prompts]
+        return [f.result() for f in futures]
+
+    def update_weights(self, params, version: int) -> None:
+        self.engine.update_weights(params, version)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        state = engine.init_decode_state()
+        slots: dict[int, _Request] = {}
+        free = list(range(engine.max_concurrent_decodes))
+        while True:
+            with self._wake:
+                while not self._stopped and not slots and not self._pending:
+                    self._wake.wait()
+                if self._stopped:
+                    for request in list(slots.values()) + list(self._pending):
+                        request.future.set_exception(RuntimeError("the sampler was closed"))
+                    return
+                admitted = []
+                while free and self._pending:
+                    admitted.append((free.pop(), self._pending.popleft()))
+            for slot, request in admitted:
+                try:
+                    prefix = engine.prefill(padded_tokens=request.prompt, true_length=len(request.prompt),
+                                            sampling=request.sampling)
+                    state = engine.insert(prefix, state, slot)
+                    slots[slot] = request
+                except Exception as err:  # noqa: BLE001 - a bad request fails alone
+                    request.future.set_exception(err)
+                    free.append(slot)
+            if not slots:
+                continue
+            try:
+                state, result = engine.generate(None, state)
+                data = np.asarray(result.data)
+            except Exception as err:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                for slot, request in slots.items():
+                    request.future.set_exception(err)
+                    free.append(slot)
+                slots.clear()
+                state = engine.init_decode_state()
+                continue
+            self.stats["generate_calls"] += 1
+            for slot in list(slots):
+                request = slots[slot]
+                tokens, _, _ = request.builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
+                self.stats["tokens"] += len(tokens)
+                if request.builder.finish_reason is not None:
+                    state = engine.free_slot(state, slot)
+                    del slots[slot]
+                    free.append(slot)
+                    self.stats["requests"] += 1
+                    request.future.set_result(request.builder.completion())

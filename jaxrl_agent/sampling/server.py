@@ -1,0 +1,236 @@
+"""Serving the engine with JetStream's orchestrator and gRPC server, plus our own service beside it.
+
+Two services share one `SamplerDriver` (JetStream's `Driver` with our prefill and detokenize
+threads) and so the same KV-cache slots:
+
+* JetStream's own `Orchestrator` service: a stock JetStream client calling `Decode` gets the
+  generated token ids (JetStream's convention: the stop token is not streamed). Its requests have
+  no sampling parameters and are decoded with the server's default sampling.
+* `jaxrl_agent.Sampler`, a JSON-over-gRPC service (no generated code needed): `Generate` returns
+  token ids with log-probs, policy versions and the finish reason; `UpdateWeights` takes new
+  parameters (msgpack bytes) or `LoadCheckpoint` an orbax path, tagged with a version; `Info`.
+
+Prompts longer than the engine's max prefill length are rejected (INVALID_ARGUMENT), never
+truncated. Our prefill thread never prepends a BOS: prompts arrive as complete id sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import struct
+from typing import Any
+
+import grpc
+import numpy as np
+
+from jaxrl_agent.sampling.engine import AgentEngine, PromptTooLongError, SamplingParams, decode_result_row
+from jaxrl_agent.sampling.jetstream_compat import import_jetstream
+from jaxrl_agent.sampling.local import CompletionBuilder, check_prompt
+
+engine_api, orchestrator, jetstream_pb2, jetstream_pb2_grpc, token_utils = import_jetstream()
+
+SERVICE = "jaxrl_agent.Sampler"
+MAX_MESSAGE_BYTES = 2**31 - 1
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class DetailedRequest(orchestrator.ActiveRequest):
+    """A request from our own service: carries sampling parameters and wants per-token details."""
+
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class TokenChunk:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None = None
+
+
+class SamplerDriver(orchestrator.Driver):
+    """JetStream's Driver with our prefill thread (sampling params, no BOS, no truncation, bad
+    requests fail alone) and detokenize thread (log-probs, versions, finish reasons)."""
+
+    def __init__(self, engine: AgentEngine, default_sampling: SamplingParams):
+        self.engine = engine
+        self.default_sampling = default_sampling
+        super().__init__(prefill_engines=[engine], generate_engines=[engine], prefill_params=[None],
+                         generate_params=[None], interleaved_mode=True)
+
+    def _fail(self, request, message: str) -> None:
+        if isinstance(request, DetailedRequest):
+            request.error = message
+        request.return_channel.close()
+
+    def _prefill_thread(self, idx: int):
+        engine = self._prefill_engines[idx]
+        tokenizer = engine.build_tokenizer(engine.get_tokenizer())
+        while self.live:
+            request = self._prefill_backlog.get(block=True)
+            if request is None:
+                break
+            try:
+                content = request.prefill_content
+                ids = tokenizer.encode(content)[0] if isinstance(content, str) else np.asarray(content, np.int32)
+                ids = check_prompt(engine, ids)
+                sampling = getattr(request, "sampling", None) or dataclasses.replace(
+                    self.default_sampling, max_tokens=max(1, request.max_tokens))
+                request.prefill_result = engine.prefill(padded_tokens=ids, true_length=len(ids), sampling=sampling)
+            except Exception as err:  # noqa: BLE001 - a bad request must not kill the server
+                log.warning("prefill failed: %s", err)
+                self._fail(request, f"{type(err).__name__}: {err}")
+                continue
+            self._transfer_backlogs[idx].put(request, block=True)
+
+    def _detokenize_thread(self, idx: int):
+        backlog = self._detokenize_backlogs[idx]
+        engine = self._generate_engines[idx]
+        slots_queue = self._generate_slots[idx]
+        tokenizer = engine.build_tokenizer(engine.get_tokenizer())
+        stop_ids = set(engine.stop_token_ids)
+        live: dict[int, tuple[Any, CompletionBuilder]] = {}
+        while self.live:
+            item = backlog.get(block=True)
+            if item is None:
+                break
+            if not isinstance(item[1], engine_api.ResultTokens):
+                slot, request = item
+                max_tokens = request.sampling.max_tokens if isinstance(request, DetailedRequest) else request.max_tokens
+                live[slot] = (request, CompletionBuilder(max(1, max_tokens), stop_ids))
+                continue
+            data = np.asarray(item[1].data)
+            for slot in list(live):
+                request, builder = live[slot]
+                tokens, logprobs, versions = builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
+                if isinstance(request, DetailedRequest):
+                    if tokens or builder.finish_reason:
+                        request.enqueue_samples(TokenChunk(tokens, logprobs, versions, builder.finish_reason))
+                else:
+                    streamed = [t for t in tokens if t not in stop_ids]  # JetStream does not stream stop tokens
+                    if streamed:
+                        request.enqueue_samples([token_utils.ReturnSample(
+                            text=[tokenizer.decode([t]) for t in streamed], token_ids=streamed)])
+                if builder.finish_reason is not None:
+                    request.return_channel.close()
+                    del live[slot]
+                    slots_queue.put(slot, block=False)
+
+
+class SamplerOrchestrator(orchestrator.LLMOrchestrator):
+    """JetStream's servicer, rejecting prompts that do not fit instead of truncating them."""
+
+    def __init__(self, driver: SamplerDriver):
+        super().__init__(driver=driver)
+        self._engine = driver.engine
+
+    async def Decode(self, request, context=None):  # noqa: N802 - gRPC method name
+        content, _ = self._get_prefill_content(request)
+        length = len(content) if not isinstance(content, str) else len(self._engine.tokenizer.encode(content))
+        if length > self._engine.max_prefill_length or length == 0:
+            await orchestrator._abort_or_raise(
+                context, grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {length} tokens does not fit max_prefill_length={self._engine.max_prefill_length}")
+            return
+        async for response in super().Decode(request, context):
+            yield response
+
+
+class SamplerService:
+    """Our JSON service: Generate, UpdateWeights, LoadCheckpoint, Info."""
+
+    def __init__(self, driver: SamplerDriver):
+        self.driver = driver
+        self.engine = driver.engine
+
+    async def generate(self, request: dict, context) -> dict:
+        try:
+            sampling = SamplingParams.from_dict(request.get("sampling", {}))
+            ids = check_prompt(self.engine, request["prompt_ids"])
+        except (PromptTooLongError, ValueError, KeyError, TypeError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(err).__name__}: {err}")
+        from jetstream.core.utils import async_multifuture
+
+        active = DetailedRequest(max_tokens=sampling.max_tokens, return_channel=async_multifuture.AsyncMultifuture(),
+                                 prefill_content=[int(i) for i in ids], is_client_side_tokenization=True,
+                                 sampling=sampling)
+        context.add_done_callback(active.return_channel.cancel)
+        self.driver.place_request_on_prefill_queue(active)
+        chunks = [chunk async for chunk in active.return_channel]
+        if active.error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, active.error)
+        return {
+            "token_ids": [t for c in chunks for t in c.token_ids],
+            "logprobs": [x for c in chunks for x in c.logprobs],
+            "versions": [v for c in chunks for v in c.versions],
+            "finish_reason": chunks[-1].finish_reason if chunks else "length",
+        }
+
+    async def update_weights(self, payload: bytes, context) -> dict:
+        from flax import serialization
+
+        (version,) = struct.unpack("<q", payload[:8])
+        params = serialization.msgpack_restore(payload[8:])
+        try:
+            await asyncio.to_thread(self.engine.update_weights, params, version)
+        except (ValueError, TypeError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad weights: {err}")
+        return {"version": self.engine.version}
+
+    async def load_checkpoint(self, request: dict, context) -> dict:
+        import orbax.checkpoint as ocp
+
+        try:
+            target = self.engine.current_params()[0]
+            params = await asyncio.to_thread(ocp.StandardCheckpointer().restore, request["path"], target)
+            await asyncio.to_thread(self.engine.update_weights, params, int(request["version"]))
+        except Exception as err:  # noqa: BLE001 - report, keep serving the old weights
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load {request.get('path')!r}: {err}")
+        return {"version": self.engine.version}
+
+    async def info(self, request: dict, context) -> dict:
+        return {"version": self.engine.version, "slots": self.engine.max_concurrent_decodes,
+                "max_prefill_length": self.engine.max_prefill_length, "live": self.driver.live}
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        as_json = dict(request_deserializer=json.loads, response_serializer=lambda r: json.dumps(r).encode())
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_unary_rpc_method_handler(self.generate, **as_json),
+            "LoadCheckpoint": grpc.unary_unary_rpc_method_handler(self.load_checkpoint, **as_json),
+            "Info": grpc.unary_unary_rpc_method_handler(self.info, **as_json),
+            "UpdateWeights": grpc.unary_unary_rpc_method_handler(
+                self.update_weights, request_deserializer=None, response_serializer=lambda r: json.dumps(r).encode()),
+        })
+
+
+def encode_weights(params, version: int) -> bytes:
+    """The UpdateWeights payload: little-endian int64 version, then msgpack of the parameters."""
+    import jax
+    from flax import serialization
+
+    return struct.pack("<q", int(version)) + serialization.msgpack_serialize(jax.device_get(params))
+
+
+async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *,
+                default_sampling: SamplingParams = SamplingParams(temperature=0.0), ready=None) -> None:
+    """Runs both services until cancelled. `ready(port)` is called once listening."""
+    driver = SamplerDriver(engine, default_sampling)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    jetstream_pb2_grpc.add_OrchestratorServicer_to_server(SamplerOrchestrator(driver), server)
+    server.add_generic_rpc_handlers((SamplerService(driver).handler(),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    if ready is not None:
+        ready(bound)
+    try:
+        await server.wait_for_termination()
+    finally:
+        driver.stop()
+        await server.stop(grace=1)

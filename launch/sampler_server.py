@@ -1,0 +1,50 @@
+"""A sampling server: our engine behind JetStream's orchestrator and gRPC server.
+
+  python launch/sampler_server.py --config configs/calculator_tiny.py --port 9000 [--host 127.0.0.1]
+
+Serves JetStream's `Orchestrator/Decode` (token ids) and `jaxrl_agent.Sampler` (ids, log-probs,
+versions, finish reasons, weight updates) on one port. Prints
+`sampler server listening on HOST:PORT` when ready (`--port 0` picks a free port).
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 to serve other hosts).")
+_PORT = flags.DEFINE_integer("port", 9000, "gRPC port; 0 picks a free one.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    del argv
+    import asyncio
+    import logging
+
+    # JetStream logs every decode step at INFO on the root logger.
+    logging.getLogger().setLevel(logging.WARNING)
+
+    from jaxrl_agent import build
+    from jaxrl_agent.sampling import engine as engine_lib, server
+
+    config = _CONFIG.value
+    model_config, params = build.build_model(config)
+    engine = build.build_engine(config, model_config, params, build.build_tokenizer(config))
+    default = engine_lib.SamplingParams(temperature=config.sampler.default_temperature)
+
+    def ready(port):
+        print(f"sampler server listening on {_HOST.value}:{port}", flush=True)
+
+    asyncio.run(server.serve(engine, _HOST.value, _PORT.value, default_sampling=default, ready=ready))
+
+
+if __name__ == "__main__":
+    from jaxrl_agent import config_lib
+
+    try:
+        config_lib.check_overrides(sys.argv)
+    except (config_lib.ConfigOverrideError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    app.run(main)

@@ -1,0 +1,158 @@
+"""The engine and the in-process sampler: exact greedy decoding, exact log-probs, slots, stops."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_agent import models, tokenizer as tok
+from jaxrl_agent.sampling import AgentEngine, LocalSampler, PromptTooLongError, SamplingParams
+from jaxrl_agent.sampling import decoding
+
+TOKENIZER = tok.CharTokenizer()
+CONFIG = models.ModelConfig(vocab_size=TOKENIZER.vocab_size, num_layers=2, hidden_size=64, num_heads=4,
+                            num_kv_heads=2, head_dim=16)
+PARAMS = models.init_params(CONFIG, jax.random.PRNGKey(0))
+_forward = jax.jit(models.forward, static_argnums=0)
+PAD_TO = 64
+
+
+def forward_rows(params, seq):
+    """Full-forward logits [len(seq), V]: padded to one length so that it compiles once (causal
+    attention: the padding after a position cannot change its logits)."""
+    padded = np.zeros((1, PAD_TO), np.int32)
+    padded[0, :len(seq)] = seq
+    return _forward(CONFIG, params, jnp.asarray(padded))[0, :len(seq)]
+
+
+def _engine(params=PARAMS, **kwargs):
+    defaults = dict(max_concurrent_decodes=4, max_prefill_length=32, max_cache_length=64, steps_per_call=3,
+                    stop_token_ids=[])
+    defaults.update(kwargs)
+    return AgentEngine(CONFIG, params, TOKENIZER, **defaults)
+
+
+def _greedy_reference(prompt, n, params=PARAMS):
+    seq, out, lps = list(prompt), [], []
+    for _ in range(n):
+        logits = forward_rows(params, seq)[-1]
+        token = int(jnp.argmax(logits))
+        out.append(token)
+        lps.append(float(jax.nn.log_softmax(logits)[token]))
+        seq.append(token)
+    return out, lps
+
+
+PROMPTS = ["Q: 1+2=?", "a", "hello world, a longer prompt!", "<|im_start|>user\nQ: 17*23+5=?<|im_end|>",
+           "xyz", "Q: 9*9=?", "0123456789", "tool"]
+
+
+def test_greedy_decoding_matches_full_forward_argmax_across_slots():
+    with LocalSampler(_engine()) as sampler:  # 8 requests through 4 slots: slots are reused
+        completions = sampler.generate_many([TOKENIZER.encode(p) for p in PROMPTS],
+                                            SamplingParams(temperature=0.0, max_tokens=9))
+    for prompt, completion in zip(PROMPTS, completions):
+        expected, expected_lps = _greedy_reference(TOKENIZER.encode(prompt), 9)
+        assert list(completion.token_ids) == expected, prompt
+        np.testing.assert_allclose(completion.logprobs, expected_lps, atol=1e-5)
+        assert completion.finish_reason == "length" and set(completion.versions) == {0}
+
+
+def test_sampled_logprobs_equal_learner_recomputation_with_temperature():
+    temperature = 0.7
+    with LocalSampler(_engine(seed=3)) as sampler:
+        prompts = [TOKENIZER.encode(p) for p in PROMPTS[:5]]
+        completions = sampler.generate_many(prompts, SamplingParams(temperature=temperature, max_tokens=12))
+    for prompt, completion in zip(prompts, completions):
+        ids = list(prompt) + list(completion.token_ids)
+        logits = forward_rows(PARAMS, ids)[len(prompt) - 1:-1]
+        learner = models.token_logprobs(logits / temperature, jnp.asarray(completion.token_ids))
+        np.testing.assert_allclose(completion.logprobs, learner, atol=1e-5)
+    # Sampling at temperature 0.7 is not greedy: some completion differs from argmax decoding.
+    assert any(list(c.token_ids) != _greedy_reference(p, 12)[0] for p, c in zip(prompts, completions))
+
+
+def test_stop_token_is_kept_with_its_logprob():
+    prompt = TOKENIZER.encode("Q: 1+2=?")
+    expected, expected_lps = _greedy_reference(prompt, 3)
+    with LocalSampler(_engine(stop_token_ids=[expected[2]])) as sampler:
+        completion = sampler.generate_many([prompt], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    stop_at = expected.index(expected[2])
+    assert list(completion.token_ids) == expected[:stop_at + 1]
+    assert completion.finish_reason == "stop"
+    np.testing.assert_allclose(completion.logprobs, expected_lps[:stop_at + 1], atol=1e-5)
+
+
+def test_context_limit_and_prompt_rejection():
+    with LocalSampler(_engine(max_prefill_length=16, max_cache_length=20)) as sampler:
+        prompt = TOKENIZER.encode("0123456789abcdef")  # 16 tokens, 4 slots of cache left
+        completion = sampler.generate_many([prompt], SamplingParams(temperature=0.0, max_tokens=50))[0]
+        assert completion.finish_reason == "context_limit" and len(completion.token_ids) == 5
+        assert list(completion.token_ids) == _greedy_reference(prompt, 5)[0]
+        with pytest.raises(PromptTooLongError, match="17 tokens exceeds max_prefill_length=16"):
+            sampler.submit(TOKENIZER.encode("0123456789abcdefg"))
+        with pytest.raises(ValueError, match="prompt ids must lie in"):
+            sampler.submit([CONFIG.vocab_size + 3])
+
+
+def test_weight_update_takes_effect_and_versions_are_recorded():
+    params2 = jax.tree.map(lambda x: x * 1.5, PARAMS)
+    engine = _engine(steps_per_call=2)
+    prompt = TOKENIZER.encode("Q: 5*5=?")
+    state = engine.init_decode_state()
+    state = engine.insert(engine.prefill(padded_tokens=np.asarray(prompt), true_length=len(prompt),
+                                         sampling=SamplingParams(temperature=0.0)), state, 0)
+    state, first = engine.generate(None, state)
+    engine.update_weights(params2, 7)
+    state, second = engine.generate(None, state)
+    from jaxrl_agent.sampling.engine import decode_result_row
+
+    rows = [decode_result_row(np.asarray(r.data), 0, 2) for r in (first, second)]
+    tokens = [int(t) for r in rows for t in r["tokens"]]
+    versions = [int(v) for r in rows for v in r["versions"]]
+    # Emission lags sampling by one step: the first token of the second call was sampled before the update.
+    assert versions == [0, 0, 0, 7]
+    old, _ = _greedy_reference(prompt, 3)
+    assert tokens[:3] == old
+    logits = forward_rows(params2, list(prompt) + tokens[:3])[-1]
+    assert tokens[3] == int(jnp.argmax(logits))
+
+
+def test_concurrent_async_requests_do_not_cross_talk():
+    import asyncio
+
+    async def run(sampler):
+        prompts = [TOKENIZER.encode(p) for p in PROMPTS * 3]
+        return prompts, await asyncio.gather(*(sampler.generate(p, SamplingParams(temperature=0.0, max_tokens=6))
+                                               for p in prompts))
+
+    with LocalSampler(_engine(max_concurrent_decodes=5)) as sampler:
+        prompts, completions = asyncio.run(run(sampler))
+    cache = {}
+    for prompt, completion in zip(prompts, completions):
+        key = tuple(prompt)
+        cache.setdefault(key, _greedy_reference(prompt, 6)[0])
+        assert list(completion.token_ids) == cache[key]
+
+
+def test_filters_restrict_the_support():
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    top2 = decoding.filter_logits(logits, jnp.asarray([2, 0]), jnp.asarray([1.0, 1.0]))
+    assert np.isfinite(np.asarray(top2[0])).tolist() == [False, True, False, True]
+    assert np.isfinite(np.asarray(top2[1])).all()
+    nucleus = decoding.filter_logits(logits, jnp.asarray([0, 0]), jnp.asarray([0.5, 0.5]))
+    assert np.isfinite(np.asarray(nucleus)).sum(-1).tolist() == [1, 1]
+    tokens, lps = decoding.sample_tokens(logits, jax.random.PRNGKey(0), jnp.asarray([1.0, 1.0]),
+                                         jnp.asarray([1, 1]), jnp.asarray([1.0, 1.0]))
+    assert tokens.tolist() == [1, 0] and np.allclose(lps, 0.0)  # top-1: a point mass
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="power of two"):
+        _engine(max_prefill_length=48)
