@@ -1,0 +1,198 @@
+"""Sampler servers as subprocesses: JetStream's stock Decode, our client, weight updates, failover."""
+
+import asyncio
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_agent import build, config_lib
+from jaxrl_agent.sampling import PromptTooLongError, SamplingParams
+from jaxrl_agent.sampling.client import SamplerClient
+from jaxrl_agent.sampling.jetstream_compat import import_jetstream
+
+_, _, jetstream_pb2, jetstream_pb2_grpc, _ = import_jetstream()
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OVERRIDES = {"model.num_layers": 2, "sampler.max_concurrent_decodes": 4, "sampler.max_prefill_length": 32,
+             "sampler.max_cache_length": 256, "sampler.steps_per_call": 2}
+
+
+def _config():
+    config = config_lib.load_config(str(ROOT / "configs" / "calculator_tiny.py"))
+    for key, value in OVERRIDES.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return config
+
+
+CONFIG = _config()
+MODEL_CONFIG, PARAMS = build.build_model(CONFIG)
+TOKENIZER = build.build_tokenizer(CONFIG)
+_forward = jax.jit(lambda p, t: __import__("jaxrl_agent").models.forward(MODEL_CONFIG, p, t))
+
+
+def greedy_reference(prompt, max_tokens, params=PARAMS):
+    key = (tuple(prompt), max_tokens, id(params))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _greedy(prompt, max_tokens, params)
+    return _REFERENCE[key]
+
+
+_REFERENCE = {}
+
+
+def _greedy(prompt, max_tokens, params):
+    seq, out = list(prompt), []
+    while len(out) < max_tokens:
+        padded = np.zeros((1, 256), np.int32)
+        padded[0, :len(seq)] = seq
+        token = int(jnp.argmax(_forward(params, jnp.asarray(padded))[0, len(seq) - 1]))
+        out.append(token)
+        seq.append(token)
+        if token == TOKENIZER.eos_id:
+            break
+    return out
+
+
+def _start_server():
+    args = [sys.executable, str(ROOT / "launch" / "sampler_server.py"), "--config", "configs/calculator_tiny.py",
+            "--port", "0", "--host", "127.0.0.1"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    line = proc.stdout.readline()
+    match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    if not match:
+        proc.kill()
+        raise RuntimeError(f"sampler server did not start: {line!r}")
+    return proc, f"127.0.0.1:{match.group(1)}"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = [_start_server() for _ in range(2)]
+    yield started
+    for proc, _ in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def _stock_decode(address, prompt, max_tokens):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        request = jetstream_pb2.DecodeRequest(
+            token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt), max_tokens=max_tokens)
+        ids = []
+        async for response in stub.Decode(request):
+            for sample in response.stream_content.samples:
+                ids.extend(sample.token_ids)
+        return ids
+
+
+PROMPTS = ["Q: 1+2=?", "Q: 17*23+5=?", "hello", "<|im_start|>user\nhi<|im_end|>", "a", "12345678"]
+
+
+def test_stock_jetstream_decode_and_our_client_give_greedy_tokens_concurrently(servers):
+    addresses = [a for _, a in servers]
+
+    async def run():
+        client = SamplerClient(addresses)
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        ours = [client.generate(TOKENIZER.encode(p), greedy) for p in PROMPTS * 2]
+        stock = [_stock_decode(addresses[i % 2], TOKENIZER.encode(p), 12) for i, p in enumerate(PROMPTS)]
+        results = await asyncio.gather(*ours, *stock)
+        await client.close()
+        return results[:len(ours)], results[len(ours):]
+
+    completions, stock_ids = asyncio.run(run())
+    for prompt, completion in zip(PROMPTS * 2, completions):
+        expected = greedy_reference(TOKENIZER.encode(prompt), 12)
+        assert list(completion.token_ids) == expected, prompt
+        assert completion.finish_reason == ("stop" if expected[-1] == TOKENIZER.eos_id else "length")
+        assert set(completion.versions) == {0} and len(completion.logprobs) == len(expected)
+    for prompt, ids in zip(PROMPTS, stock_ids):
+        expected = greedy_reference(TOKENIZER.encode(prompt), 12)
+        assert ids == [t for t in expected if t != TOKENIZER.eos_id]  # JetStream does not stream stop tokens
+
+
+def test_prompts_that_do_not_fit_are_rejected(servers):
+    address = servers[0][1]
+
+    async def run():
+        client = SamplerClient([address])
+        with pytest.raises(PromptTooLongError, match="max_prefill_length=32"):
+            await client.generate(list(range(5, 45)), SamplingParams())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _stock_decode(address, list(range(5, 45)), 4)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The server keeps serving.
+        completion = await client.generate(TOKENIZER.encode("ok"), SamplingParams(temperature=0.0, max_tokens=3))
+        await client.close()
+        return completion
+
+    assert list(asyncio.run(run()).token_ids) == greedy_reference(TOKENIZER.encode("ok"), 3)
+
+
+def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
+    addresses = [a for _, a in servers]
+    params2 = jax.tree.map(lambda x: x * 1.3, PARAMS)
+
+    async def run():
+        client = SamplerClient(addresses)
+        long = SamplingParams(temperature=0.0, max_tokens=200)  # ~1-2 s of decoding per request
+        in_flight = [asyncio.create_task(client.generate(TOKENIZER.encode(p), long)) for p in PROMPTS]
+        await asyncio.sleep(0.3)
+        assert await client.update_weights(params2, 5) == {}
+        during = await asyncio.gather(*in_flight)
+        after = await client.generate(TOKENIZER.encode("Q: 2+2=?"), SamplingParams(temperature=0.0, max_tokens=8))
+        # Through an orbax checkpoint instead of the wire.
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(str(tmp_path / "ckpt"), PARAMS)
+        checkpointer.wait_until_finished()
+        assert await client.load_checkpoint(str(tmp_path / "ckpt"), 6) == {}
+        restored = await client.generate(TOKENIZER.encode("Q: 2+2=?"), SamplingParams(temperature=0.0, max_tokens=8))
+        infos = await client.info()
+        await client.close()
+        return during, after, restored, infos
+
+    during, after, restored, infos = asyncio.run(run())
+    for completion in during:
+        assert list(completion.versions) == sorted(completion.versions) and set(completion.versions) <= {0, 5}
+    assert any(set(c.versions) == {0, 5} for c in during), [c.versions for c in during]
+    assert set(after.versions) == {5}
+    assert list(after.token_ids) == greedy_reference(TOKENIZER.encode("Q: 2+2=?"), 8, params2)
+    assert set(restored.versions) == {6}
+    assert list(restored.token_ids) == greedy_reference(TOKENIZER.encode("Q: 2+2=?"), 8)
+    assert [i["version"] for i in infos] == [6, 6]
+
+
+def test_killing_one_server_finishes_every_request_on_the_other(servers):
+    (victim, victim_address), (_, survivor_address) = servers
+
+    async def run():
+        client = SamplerClient([victim_address, survivor_address], cooldown_s=30)
+        greedy = SamplingParams(temperature=0.0, max_tokens=150)  # long enough to be in flight at the kill
+        tasks = [asyncio.create_task(client.generate(TOKENIZER.encode(p), greedy)) for p in PROMPTS * 2]
+        await asyncio.sleep(0.3)
+        victim.send_signal(signal.SIGKILL)
+        completions = await asyncio.gather(*tasks)
+        await client.close()
+        return completions, client.stats["retries"]
+
+    completions, retries = asyncio.run(run())
+    assert retries > 0
+    for prompt, completion in zip(PROMPTS * 2, completions):
+        assert list(completion.token_ids) == greedy_reference(TOKENIZER.encode(prompt), 150)
