@@ -28,3 +28,12 @@ def test_environment_examples_run():
     custom = next(b for b in blocks if "ReverseEnv" in b)
     assert len(custom.strip().splitlines()) <= 40
     assert namespace["final"].info["success"]
+
+
+def test_sampling_example_runs():
+    block = next(b for b in _python_blocks() if "LocalSampler" in b)
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    completion, later = namespace["completion"], namespace["later"]
+    assert len(completion.token_ids) == len(completion.logprobs) == len(completion.versions) >= 1
+    assert set(completion.versions) == {0} and set(later.versions) == {1}

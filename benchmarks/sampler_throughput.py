@@ -1,0 +1,145 @@
+"""Generated tokens per second: in-process engine, gRPC server, and a naive full-forward loop.
+
+  python benchmarks/sampler_throughput.py [--concurrency 1,8,32] [--new_tokens 64] [--repeats 3]
+
+Model: Qwen3-style, 2 layers, d=256, 4 heads (2 KV), head_dim 64, MLP 768, vocab 8192, random
+weights, float32. Each run submits `concurrency` requests at once (prompt 16 tokens, `new_tokens`
+greedy tokens each, no early stop) and measures wall time until all complete, after a warm-up run
+that compiles everything. Baselines measured in the same run:
+  * naive: one jitted full forward over the whole (padded) sequence per new token, batch =
+    concurrency — what decoding costs without a KV cache;
+  * in-process: `LocalSampler` over our `AgentEngine` (continuous batching, KV cache,
+    `steps_per_call` decode steps per call);
+  * server: `launch/sampler_server.py` in a subprocess, reached through `SamplerClient` over gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxrl_agent import models, tokenizer as tok  # noqa: E402
+from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams  # noqa: E402
+
+MODEL = dict(architecture="qwen3", qk_norm=True, vocab_size=8192, hidden_size=256, intermediate_size=768,
+             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
+PROMPT_LEN = 16
+
+
+def _prompts(n, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(200, 8000, PROMPT_LEN).tolist() for _ in range(n)]
+
+
+def bench_naive(config, params, concurrency, new_tokens):
+    total = PROMPT_LEN + new_tokens
+    forward = jax.jit(lambda p, t: models.forward(config, p, t))
+
+    def run():
+        tokens = np.zeros((concurrency, total), np.int32)
+        tokens[:, :PROMPT_LEN] = np.asarray(_prompts(concurrency))
+        tokens = jnp.asarray(tokens)
+        for i in range(new_tokens):
+            logits = forward(params, tokens)
+            nxt = jnp.argmax(logits[:, PROMPT_LEN + i - 1], axis=-1).astype(jnp.int32)
+            tokens = tokens.at[:, PROMPT_LEN + i].set(nxt)
+        tokens.block_until_ready()
+
+    run()
+    start = time.perf_counter()
+    run()
+    return concurrency * new_tokens / (time.perf_counter() - start)
+
+
+def _engine(config, params, slots, steps):
+    return AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
+                       max_cache_length=PROMPT_LEN + 128, steps_per_call=steps, stop_token_ids=[-1])
+
+
+def bench_local(sampler, concurrency, new_tokens):
+    sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    sampler.generate_many(_prompts(concurrency), sampling)  # warm-up / compile
+    start = time.perf_counter()
+    completions = sampler.generate_many(_prompts(concurrency, 1), sampling)
+    elapsed = time.perf_counter() - start
+    return sum(len(c.token_ids) for c in completions) / elapsed
+
+
+def bench_server(address, concurrency, new_tokens):
+    from jaxrl_agent.sampling.client import SamplerClient
+
+    async def run(seed):
+        client = SamplerClient([address])
+        sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+        start = time.perf_counter()
+        completions = await asyncio.gather(*(client.generate(p, sampling) for p in _prompts(concurrency, seed)))
+        elapsed = time.perf_counter() - start
+        await client.close()
+        return sum(len(c.token_ids) for c in completions) / elapsed
+
+    asyncio.run(run(0))
+    return asyncio.run(run(1))
+
+
+def start_server(slots, steps):
+    overrides = [f"--config.model.{k}={v}" for k, v in MODEL.items()] + [
+        f"--config.sampler.max_concurrent_decodes={slots}", "--config.sampler.max_prefill_length=16",
+        f"--config.sampler.max_cache_length={PROMPT_LEN + 128}", f"--config.sampler.steps_per_call={steps}"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "sampler_server.py"), "--config",
+                             os.path.join(ROOT, "configs", "calculator_tiny.py"), "--port", "0"] + overrides,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    port = re.search(r":(\d+)$", line.strip()).group(1)
+    return proc, f"127.0.0.1:{port}"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps_per_call", type=int, default=4)
+    parser.add_argument("--skip_server", action="store_true")
+    args = parser.parse_args()
+    config = models.ModelConfig(**MODEL)
+    # The server builds its model from the config's seed (0): the same weights as here.
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    slots = max(levels)
+    rows = []
+    sampler = LocalSampler(_engine(config, params, slots, args.steps_per_call))
+    server = None if args.skip_server else start_server(slots, args.steps_per_call)
+    try:
+        for c in levels:
+            naive = statistics.median(bench_naive(config, params, c, args.new_tokens) for _ in range(args.repeats))
+            local = statistics.median(bench_local(sampler, c, args.new_tokens) for _ in range(args.repeats))
+            remote = (statistics.median(bench_server(server[1], c, args.new_tokens) for _ in range(args.repeats))
+                      if server else float("nan"))
+            rows.append((c, naive, local, remote))
+            print(f"concurrency {c}: naive {naive:,.0f}  in-process {local:,.0f}  server {remote:,.0f} tok/s",
+                  file=sys.stderr, flush=True)
+    finally:
+        sampler.close()
+        if server:
+            server[0].kill()
+    print(f"| concurrency | naive full forward | in-process engine | gRPC server | engine / naive | server / engine |")
+    print("|---|---|---|---|---|---|")
+    for c, naive, local, remote in rows:
+        print(f"| {c} | {naive:,.0f} | {local:,.0f} | {remote:,.0f} | {local / naive:.2f} | {remote / local:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
