@@ -67,7 +67,7 @@ def _path_str(path) -> str:
     return "/".join(parts)
 
 
-def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     """Drops mesh axes that do not divide the dimension they would shard."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if len(entries) > len(shape):
@@ -91,7 +91,7 @@ def param_partition_specs(params, mesh: Mesh, rules=PARAM_RULES):
         name = _path_str(path)
         for pattern, spec in rules:
             if re.search(pattern, name):
-                return _fit(spec, tuple(leaf.shape), mesh)
+                return fit_spec(spec, tuple(leaf.shape), mesh)
         raise ValueError(f"no partition rule matches parameter {name!r} with shape {tuple(leaf.shape)}")
 
     return jax.tree_util.tree_map_with_path(spec_for, params)

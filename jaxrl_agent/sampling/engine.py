@@ -71,8 +71,8 @@ class PromptTooLongError(ValueError):
 
 
 class Prefix(flax.struct.PyTreeNode):
-    k: jax.Array  # [L, 1, K, P, D]
-    v: jax.Array
+    k: tuple[jax.Array, ...]  # per layer [1, K, P, D]
+    v: tuple[jax.Array, ...]
     true_length: jax.Array  # [] int32
     first_token: jax.Array  # [] int32
     first_logprob: jax.Array  # [] float32
@@ -83,7 +83,7 @@ class Prefix(flax.struct.PyTreeNode):
 
 
 class DecodeState(flax.struct.PyTreeNode):
-    cache: models.KVCache  # [L, B, K, S, D]
+    cache: models.KVCache  # per layer [B, K, S, D]
     next_token: jax.Array  # [B] sampled, not yet emitted
     next_logprob: jax.Array  # [B]
     next_version: jax.Array  # [B]
@@ -251,11 +251,10 @@ class AgentEngine(engine_api.Engine):
         return decode_state.replace(active=decode_state.active.at[slot].set(False))
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        b, c = self._slots, self.config
-        shape = (c.num_layers, b, c.num_kv_heads, self.max_cache_length, c.head_dim)
+        b = self._slots
         zeros_i = lambda: jnp.zeros((b,), jnp.int32)  # distinct buffers: the state is donated
         return DecodeState(
-            cache=models.KVCache(jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype)),
+            cache=models.init_cache(self.config, b, self.max_cache_length),
             next_token=zeros_i(), next_logprob=jnp.zeros((b,), jnp.float32), next_version=zeros_i(),
             position=zeros_i(), generated=zeros_i(), active=jnp.zeros((b,), bool),
             temperature=jnp.ones((b,), jnp.float32), top_k=zeros_i(), top_p=jnp.ones((b,), jnp.float32),
@@ -305,8 +304,8 @@ def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-    def put(cache, rows):  # cache [L, B, K, S, D], rows [L, 1, K, P, D] -> slot's first P positions
-        return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), (0, slot, 0, 0, 0))
+    def put(caches, rows):  # per layer: cache [B, K, S, D], rows [1, K, P, D] -> slot's first P positions
+        return tuple(jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (slot, 0, 0, 0)) for c, r in zip(caches, rows))
 
     cache = models.KVCache(put(state.cache.k, prefix.k), put(state.cache.v, prefix.v))
     at = lambda array, value: array.at[slot].set(value)
@@ -325,7 +324,7 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
 
 
 def _generate(config, steps, stop_ids, params, state: DecodeState, version):
-    max_len = state.cache.k.shape[3]
+    max_len = state.cache.max_length
 
     def step(state: DecodeState, _):
         emit = (state.next_token, state.next_logprob, state.next_version, state.active)
