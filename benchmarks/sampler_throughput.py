@@ -113,6 +113,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps_per_call", type=int, default=4)
     parser.add_argument("--skip_server", action="store_true")
+    parser.add_argument("--tunix_python", default="",
+                        help="A Python with google-tunix: also run tunix's sampler (batch 8) in this session.")
     args = parser.parse_args()
     config = models.ModelConfig(**MODEL)
     # The server builds its model from the config's seed (0): the same weights as here.
@@ -135,6 +137,16 @@ def main():
         sampler.close()
         if server:
             server[0].kill()
+    if args.tunix_python:
+        # Same shape, batch 8, greedy: tunix's vanilla sampler vs our engine with 8 slots.
+        out = subprocess.run([args.tunix_python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"),
+                              "--batch", "8", "--new_tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
+                             capture_output=True, text=True, check=True).stdout
+        tunix = float(re.search(r"tunix_tokens_per_s=([\d.]+)", out).group(1))
+        with LocalSampler(_engine(config, params, 8, args.steps_per_call)) as eight:
+            ours = statistics.median(bench_local(eight, 8, args.new_tokens) for _ in range(args.repeats))
+        print(f"\n| batch 8, {args.new_tokens} new tokens | tokens/s |\n|---|---|\n| tunix Sampler | {tunix:,.0f} |\n"
+              f"| our engine (8 slots, in-process) | {ours:,.0f} |\n| ratio ours / tunix | {ours / tunix:.2f} |\n")
     print(f"| concurrency | naive full forward | in-process engine | gRPC server | engine / naive | server / engine |")
     print("|---|---|---|---|---|---|")
     for c, naive, local, remote in rows:

@@ -56,11 +56,53 @@ def get_config() -> ml_collections.ConfigDict:
     config.mesh.tensor = 1  # Tensor-parallel axis size (heads, MLP width).
 
     config.sampler = ml_collections.ConfigDict()
-    config.sampler.max_concurrent_decodes = 32  # KV-cache slots (requests decoded together).
+    config.sampler.max_concurrent_decodes = 64  # KV-cache slots (requests decoded together).
     config.sampler.max_prefill_length = 256  # Longest prompt in tokens (power of two); longer ones are rejected.
     config.sampler.max_cache_length = 512  # Tokens per slot: prompt + generation.
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
+
+    config.env = ml_collections.ConfigDict()
+    config.env.name = "calculator"  # Environment (see jaxrl_agent.envs.registered()).
+    config.env.train_difficulties = "1,2,3"  # Difficulty levels trained on (comma-separated).
+    config.env.eval_difficulties = "1,2,3,4"  # Levels evaluated on held-out seeds (4 is never trained).
+
+    config.rollout = ml_collections.ConfigDict()
+    config.rollout.prompts_per_iteration = 64  # Tasks per RL iteration (background/learning-notes.md: 64 x 4).
+    config.rollout.group_size = 4  # Episodes per task; advantages are relative within the group.
+    config.rollout.temperature = 1.0  # Sampling temperature (0.7 learned worse in the notes).
+    config.rollout.max_tokens_per_turn = 96  # Longest assistant turn, in tokens.
+    config.rollout.max_context = 320  # Longest episode, in tokens; beyond it finish_reason=context_limit.
+    config.rollout.max_turns = 4  # Assistant turns per episode.
+    config.rollout.include_system_prompt = False  # Prepend the tool description (long for a char model).
+    config.rollout.normalize_std = False  # Divide advantages by the group std (GRPO) or not (Dr. GRPO).
+    config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
+
+    config.sft = ml_collections.ConfigDict()
+    config.sft.steps = 400  # Cold-start updates on scripted-expert trajectories (0 = none).
+    config.sft.batch_size = 64  # Fresh expert episodes per update.
+    config.sft.learning_rate = 1e-3  # AdamW peak learning rate.
+    config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
+    config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.
+
+    config.rl = ml_collections.ConfigDict()
+    config.rl.iterations = 30  # Sample -> learn iterations.
+    config.rl.minibatches = 2  # Updates per iteration (the batch is split).
+    config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
+    config.rl.warmup_steps = 4  # Warm-up updates.
+    config.rl.tau = 0.05  # Mirror-descent regulariser strength (Kimi k1.5), token level.
+    config.rl.clip_eps = 0.2  # Token-level clipping: ratios outside [1 - eps, 1 + eps] leave the PG term.
+    config.rl.tis_cap = 2.0  # Truncated importance weight cap for learner/sampler mismatch.
+
+    config.learner = ml_collections.ConfigDict()
+    config.learner.row_length = 512  # Tokens per packed learner row (several episodes per row).
+    config.learner.row_multiple = 4  # Rows are padded to a multiple of this (fewer recompilations).
+    config.learner.microbatches = 1  # Gradient accumulation steps per update.
+    config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.every = 5  # Evaluate every N RL iterations (and after SFT, and at the end).
+    config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
 
     config.smoke = ml_collections.ConfigDict()
     config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.

@@ -259,6 +259,16 @@ class TurnTemplate:
         """The assistant header to append before sampling a reply."""
         return self.header_ids("assistant", tokenizer)
 
+    def continuation_ids(self, role: str, content: str, tokenizer: Tokenizer, *, close_assistant: bool) -> list[int]:
+        """Template ids that follow a sampled assistant turn: its end marker (when the sampler did
+        not emit it, `close_assistant`), the separator, a `role` message with `content`, and the
+        next assistant header. None of these ids are the assistant's."""
+        ids = self.end_ids(tokenizer) if close_assistant else []
+        ids += tokenizer.encode(self.separator)
+        ids += self.header_ids(role, tokenizer) + tokenizer.encode(content) + self.end_ids(tokenizer)
+        ids += tokenizer.encode(self.separator) + self.generation_prompt_ids(tokenizer)
+        return ids
+
     def render(
         self,
         messages: Sequence[Message | Mapping[str, Any]],

@@ -1,6 +1,6 @@
 """Entry point on a laptop, a GPU host or every host of a TPU pod slice.
 
-  python launch/tpu_run.py --config configs/calculator_tiny.py [--config.a.b=value ...]
+  python launch/tpu_run.py --config configs/calculator_tiny.py [--config.a.b=value ...] [--mode smoke]
 
 Multi-host: run the same command on every host with --coordinator_address, --num_processes and
 --process_id (or none of them on Cloud TPU, where jax.distributed finds its peers itself, by
@@ -13,6 +13,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "smoke"],
+                          "train: SFT cold start then RL (jaxrl_agent.trainer); smoke: build the model, one forward.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
@@ -26,11 +28,17 @@ def main(argv):
 
     if _DISTRIBUTED.value or _COORDINATOR.value:
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    from jaxrl_agent import build
+    if _MODE.value == "smoke":
+        from jaxrl_agent import build
 
-    summary = build.smoke_forward(_CONFIG.value)
-    logging.info("forward pass ok: %s", summary)
-    print("forward pass ok:", summary, flush=True)
+        summary = build.smoke_forward(_CONFIG.value)
+        logging.info("forward pass ok: %s", summary)
+        print("forward pass ok:", summary, flush=True)
+        return
+    from jaxrl_agent import trainer
+
+    path = trainer.train_and_evaluate(_CONFIG.value)
+    print(f"metrics written to {path}", flush=True)
 
 
 if __name__ == "__main__":

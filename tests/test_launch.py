@@ -42,13 +42,13 @@ def test_every_config_loads_locked_and_commented(path):
 
 
 def test_launcher_runs_tiny_config():
-    result = _run("--config", "configs/calculator_tiny.py")
+    result = _run("--mode", "smoke", "--config", "configs/calculator_tiny.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "forward pass ok" in result.stdout and "'logits_shape': (2, 32, 110)" in result.stdout
 
 
 def test_launcher_with_overrides_on_eight_devices():
-    result = _run("--config", "configs/calculator_tiny.py", "--config.mesh.tensor=2", "--config.model.num_layers=2",
+    result = _run("--mode", "smoke", "--config", "configs/calculator_tiny.py", "--config.mesh.tensor=2", "--config.model.num_layers=2",
                   "--config.smoke.batch_size=4", devices=8)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'mesh': {'data': 1, 'fsdp': 4, 'tensor': 2}" in result.stdout
@@ -59,7 +59,7 @@ def test_launcher_with_overrides_on_eight_devices():
     ("--config.model.num_layrs=2", "did you mean --config.model.num_layers"),
 ])
 def test_misspelled_override_fails_with_clear_message(override, named):
-    result = _run("--config", "configs/calculator_tiny.py", override)
+    result = _run("--mode", "smoke", "--config", "configs/calculator_tiny.py", override)
     assert result.returncode != 0
     assert named in result.stderr
     assert "Traceback" not in result.stderr
@@ -69,12 +69,12 @@ def test_launcher_loads_hf_checkpoint(tmp_path):
     config = models.ModelConfig(architecture="qwen3", qk_norm=True, vocab_size=400)
     models.save_hf(str(tmp_path), config, models.init_params(config, jax.random.PRNGKey(0)))
     hf_reference.train_tiny_hf_tokenizer(tmp_path)
-    result = _run("--config", "configs/hf_model.py", f"--config.checkpoint.hf_path={tmp_path}")
+    result = _run("--mode", "smoke", "--config", "configs/hf_model.py", f"--config.checkpoint.hf_path={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'architecture': 'qwen3'" in result.stdout
 
 
 def test_launcher_reports_bad_checkpoint_path(tmp_path):
-    result = _run("--config", "configs/hf_model.py", f"--config.checkpoint.hf_path={tmp_path}/missing")
+    result = _run("--mode", "smoke", "--config", "configs/hf_model.py", f"--config.checkpoint.hf_path={tmp_path}/missing")
     assert result.returncode != 0
     assert "is not a folder" in result.stderr

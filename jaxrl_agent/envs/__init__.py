@@ -5,6 +5,7 @@ Built in: `calculator`, `kb_search`, `terminal`, `code` (each with a scripted ex
 
 from jaxrl_agent.envs.api import (
     FINISH_REASONS,
+    HELD_OUT_SEED_OFFSET,
     Environment,
     Observation,
     Step,

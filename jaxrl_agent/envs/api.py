@@ -23,6 +23,9 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxrl_agent.envs import tool_protocol as tp
 from jaxrl_agent.envs.tool_protocol import ToolSpec
 
+# Seeds from here on are held out: evaluation and the `test` split use them, training never does.
+HELD_OUT_SEED_OFFSET = 1_000_000
+
 # Why an episode ended. The environment sets the first three; the env service sets the last two.
 FINISH_REASONS = ("answer", "max_turns", "env_error", "env_timeout", "env_crash")
 

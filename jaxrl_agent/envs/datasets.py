@@ -22,7 +22,7 @@ import tensorflow_datasets as tfds
 
 from jaxrl_agent.envs import api
 
-TEST_SEED_OFFSET = 1_000_000
+TEST_SEED_OFFSET = api.HELD_OUT_SEED_OFFSET
 
 
 @dataclasses.dataclass

@@ -1,0 +1,66 @@
+"""tunix's vanilla `Sampler` on the benchmark model shape — run with a Python that has google-tunix.
+
+  /path/to/tunix_venv/bin/python benchmarks/tunix_sampler_baseline.py --batch 8 --new_tokens 64
+
+Prints one line `tunix_tokens_per_s=<float>`; `sampler_throughput.py --tunix_python ...` runs it in
+the same session as our engine. Model: tunix's Qwen3 with the same shape as sampler_throughput.py
+(2 layers, d=256, 4 heads / 2 KV, head_dim 64, MLP 768, vocab 8192, tied embeddings, float32,
+random weights), greedy decoding, prompts of 16 random ids.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from flax import nnx
+from tunix.generate import sampler as sampler_lib
+from tunix.models.qwen3 import model as qwen3
+
+
+class IdTokenizer:
+    """Text 't12 t7 ...' <-> ids, so prompts are exact id sequences."""
+
+    def encode(self, text, **kwargs):
+        return [int(t[1:]) for t in text.split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(f"t{int(i)}" for i in ids)
+
+    def bos_id(self):
+        return 1
+
+    def eos_id(self):
+        return 8191
+
+    def pad_id(self):
+        return 0
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = qwen3.ModelConfig(num_layers=2, vocab_size=8192, embed_dim=256, hidden_dim=768, num_heads=4,
+                               head_dim=64, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
+    model = qwen3.Qwen3(config, rngs=nnx.Rngs(params=0))
+    cache = sampler_lib.CacheConfig(cache_size=16 + args.new_tokens + 16, num_layers=2, num_kv_heads=2, head_dim=64)
+    sampler = sampler_lib.Sampler(model, IdTokenizer(), cache)
+    rng = np.random.RandomState(0)
+    prompts = [" ".join(f"t{i}" for i in rng.randint(200, 8000, 16)) for _ in range(args.batch)]
+
+    def run():
+        start = time.perf_counter()
+        out = sampler(prompts, max_generation_steps=args.new_tokens, max_prompt_length=16, temperature=0.0,
+                      eos_tokens=[8191])
+        tokens = sum(len(t) for t in out.tokens)
+        return tokens / (time.perf_counter() - start)
+
+    run()  # compile
+    print(f"tunix_tokens_per_s={statistics.median(run() for _ in range(args.repeats)):.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Packing variable-length trajectories into fixed [B, T] learner rows.
+
+First-fit decreasing: longest first, each into the first row with room. Each trajectory becomes one
+segment (ids 1, 2, ... within a row; 0 = padding) with positions restarting at 0, so attention
+never crosses trajectories (`models.forward(..., segment_ids=...)`). Rows are padded to a multiple
+of `row_multiple` so that the jitted train step sees few distinct shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from jaxrl_agent.learner.step import PackedBatch
+from jaxrl_agent.replay.trajectory import Trajectory
+
+
+def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: int = 1,
+         min_rows: int = 1) -> tuple[PackedBatch, list[list[int]]]:
+    """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories)."""
+    order = sorted(range(len(trajectories)), key=lambda i: -trajectories[i].length)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = trajectories[i].length
+        if n > row_length:
+            raise ValueError(f"trajectory {trajectories[i].task_id!r} of {n} tokens exceeds row_length={row_length}")
+        for r, free in enumerate(room):
+            if free >= n:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(row_length - n)
+    count = max(len(rows), min_rows)
+    count = -(-count // row_multiple) * row_multiple
+    shape = (count, row_length)
+    out = {name: np.zeros(shape, dtype) for name, dtype in (
+        ("tokens", np.int32), ("segment_ids", np.int32), ("positions", np.int32), ("loss_mask", np.int32),
+        ("advantages", np.float32), ("sampler_logprobs", np.float32), ("policy_version", np.int32))}
+    out["policy_version"][:] = -1
+    for r, members in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(members, start=1):
+            t = trajectories[i]
+            sl = slice(start, start + t.length)
+            out["tokens"][r, sl] = t.tokens
+            out["segment_ids"][r, sl] = segment
+            out["positions"][r, sl] = np.arange(t.length)
+            out["loss_mask"][r, sl] = t.loss_mask
+            out["advantages"][r, sl] = t.advantage * t.loss_mask
+            out["sampler_logprobs"][r, sl] = t.sampler_logprobs * t.loss_mask
+            out["policy_version"][r, sl] = np.where(t.loss_mask == 1, t.policy_version, -1)
+            start += t.length
+    batch = PackedBatch(tokens=out["tokens"], segment_ids=out["segment_ids"], positions=out["positions"],
+                        loss_mask=out["loss_mask"], advantages=out["advantages"],
+                        sampler_logprobs=out["sampler_logprobs"], old_logprobs=out["sampler_logprobs"].copy(),
+                        policy_version=out["policy_version"])
+    return batch, rows

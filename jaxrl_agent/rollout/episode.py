@@ -1,0 +1,171 @@
+"""One episode as an asyncio coroutine: sample -> parse -> environment step -> append ids -> sample.
+
+The episode's token sequence is built from ids only: the rendered prompt, the sampler's ids (kept
+exactly, with their log-probs and versions), and the template + observation ids between turns. The
+action text handed to the environment is decoded from the sampled ids, but those ids — not a
+re-encoding of the text — are what the learner trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxrl_agent.envs import api as env_api
+from jaxrl_agent.replay.trajectory import Trajectory
+from jaxrl_agent.sampling.engine import PromptTooLongError, SamplingParams
+from jaxrl_agent.tokenizer import Tokenizer, TurnTemplate
+
+
+class EpisodeEnv(Protocol):
+    """An environment seen by an episode: either in-process or through an EnvService."""
+
+    async def reset(self, task: env_api.Task, seed: int) -> env_api.Observation: ...
+
+    async def step(self, action: str) -> env_api.Step: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessEnv:
+    def __init__(self, env: env_api.Environment):
+        self.env = env
+
+    async def reset(self, task, seed):
+        return self.env.reset(task, seed)
+
+    async def step(self, action):
+        try:
+            return self.env.step(action)
+        except Exception as err:  # noqa: BLE001 - an environment bug ends the episode, recorded
+            return env_api.Step(env_api.Observation(""), 0.0, True,
+                                {"finish_reason": "env_error", "success": False, "error": repr(err)})
+
+    async def close(self):
+        self.env.close()
+
+
+class ServiceEnv:
+    """An episode on an EnvService (local pool or remote server); blocking calls run in threads."""
+
+    def __init__(self, service, env_name: str, env_kwargs: dict | None = None):
+        self.service, self.env_name, self.env_kwargs = service, env_name, env_kwargs or {}
+        self.episode_id = None
+
+    async def reset(self, task, seed):
+        self.episode_id, observation = await asyncio.to_thread(self.service.reset, self.env_name, task, seed,
+                                                               self.env_kwargs)
+        return observation
+
+    async def step(self, action):
+        return await asyncio.to_thread(self.service.step, self.episode_id, action)
+
+    async def close(self):
+        if self.episode_id is not None:
+            await asyncio.to_thread(self.service.close_episode, self.episode_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSettings:
+    sampling: SamplingParams
+    max_context: int  # tokens in the whole episode
+    include_system_prompt: bool = False
+    max_turns: int = 8
+
+
+async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: Tokenizer, template: TurnTemplate,
+                      settings: EpisodeSettings, *, seed: int = 0, group_id: str = "", sample_index: int = 0
+                      ) -> Trajectory:
+    first = await env.reset(task, seed)
+    messages = []
+    if settings.include_system_prompt and first.system:
+        messages.append({"role": "system", "content": first.system})
+    messages.append({"role": first.role, "content": first.text})
+    rendered = template.render(messages, tokenizer, add_generation_prompt=True)
+    tokens = list(rendered.ids)
+    mask = [0] * len(tokens)
+    logprobs = [0.0] * len(tokens)
+    versions = [-1] * len(tokens)
+    end_ids = template.end_ids(tokenizer)
+    turns: list[dict[str, Any]] = []
+    reward, components, finish_reason, success = 0.0, {}, "max_turns", False
+    for _ in range(settings.max_turns):
+        budget = settings.max_context - len(tokens)
+        if budget <= 0:
+            finish_reason = "context_limit"
+            break
+        sampling = dataclasses.replace(settings.sampling, max_tokens=min(settings.sampling.max_tokens, budget))
+        started = time.perf_counter()
+        try:
+            completion = await sampler.generate(tokens, sampling)
+        except PromptTooLongError:
+            finish_reason = "context_limit"
+            break
+        ids = list(completion.token_ids)
+        tokens += ids
+        mask += [1] * len(ids)
+        logprobs += list(completion.logprobs)
+        versions += list(completion.versions)
+        ended = len(ids) >= len(end_ids) and ids[-len(end_ids):] == end_ids
+        action = tokenizer.decode(ids[:-len(end_ids)] if ended else ids)
+        step = await env.step(action)
+        turns.append({"sampled_tokens": len(ids), "sample_seconds": time.perf_counter() - started,
+                      "finish_reason": completion.finish_reason})
+        if step.done:
+            reward = float(step.reward)
+            components = dict(step.info.get("reward_components", {}))
+            finish_reason = step.info.get("finish_reason", "answer")
+            success = bool(step.info.get("success", False))
+            break
+        continuation = template.continuation_ids(step.observation.role, step.observation.text, tokenizer,
+                                                 close_assistant=not ended)
+        if len(tokens) + len(continuation) >= settings.max_context:
+            finish_reason = "context_limit"
+            break
+        tokens += continuation
+        mask += [0] * len(continuation)
+        logprobs += [0.0] * len(continuation)
+        versions += [-1] * len(continuation)
+    await env.close()
+    components = {**components, "success": float(success)}
+    return Trajectory(
+        tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, np.int32),
+        sampler_logprobs=np.asarray(logprobs, np.float32), policy_version=np.asarray(versions, np.int32),
+        reward=reward, reward_components=components, group_id=group_id, sample_index=sample_index,
+        env=task.env, task_id=task.id, finish_reason=finish_reason, turns=turns)
+
+
+def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,
+                      template: TurnTemplate, *, include_system_prompt: bool = False, seed: int = 0) -> Trajectory:
+    """A scripted-expert episode rendered exactly as a sampled one would be (SFT data)."""
+    first = env.reset(task, seed)
+    messages = []
+    if include_system_prompt and first.system:
+        messages.append({"role": "system", "content": first.system})
+    messages.append({"role": first.role, "content": first.text})
+    tokens = list(template.render(messages, tokenizer, add_generation_prompt=True).ids)
+    mask = [0] * len(tokens)
+    observations, actions = [first.text], []
+    while True:
+        action = expert(task, observations, actions)
+        actions.append(action)
+        ids = tokenizer.encode(action) + template.end_ids(tokenizer)
+        tokens += ids
+        mask += [1] * len(ids)
+        step = env.step(action)
+        observations.append(step.observation.text)
+        if step.done:
+            break
+        continuation = template.continuation_ids(step.observation.role, step.observation.text, tokenizer,
+                                                 close_assistant=False)
+        tokens += continuation
+        mask += [0] * len(continuation)
+    n = len(tokens)
+    return Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, np.int32),
+                      sampler_logprobs=np.zeros(n, np.float32), policy_version=np.zeros(n, np.int32),
+                      reward=float(step.reward), reward_components=dict(step.info.get("reward_components", {})),
+                      env=task.env, task_id=task.id, finish_reason=step.info.get("finish_reason", ""))

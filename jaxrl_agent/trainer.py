@@ -1,0 +1,241 @@
+"""Wires the closed loop from a config: SFT cold start on scripted-expert data, then RL.
+
+RL iteration (synchronous schedule, on-policy):
+  1. push the learner's weights to the sampler (tagged with the policy version);
+  2. sample G episodes for each of P tasks (coroutines over the environment and the sampler);
+  3. group advantages; drop groups whose rewards are all equal (they carry no gradient);
+  4. validate into the replay buffer, pack into [B, T] rows, and run `minibatches` updates of the
+     objective (default: token-level mirror descent + token clipping + TIS);
+  5. log metrics; evaluate greedy pass@1 on held-out tasks every `eval.every` iterations;
+     checkpoint every `checkpoint.every` iterations and at the end.
+`train_and_evaluate(config, workdir)` is importable from a notebook; `launch/tpu_run.py` calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_agent import build, envs, learner, losses, replay, rollout
+from jaxrl_agent import tokenizer as tokenizer_lib
+from jaxrl_agent.sampling import LocalSampler, SamplingParams
+
+
+class MetricsWriter:
+    """Console lines and a JSON-lines file (workdir/metrics.jsonl), one record per event."""
+
+    def __init__(self, workdir: str, quiet: bool = False):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.quiet = quiet
+
+    def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
+        record = {"stage": stage, "step": step, "time": time.time(),
+                  **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if not self.quiet:
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+                             if k not in ("stage", "step", "time") and not isinstance(v, (list, dict)))
+            print(f"[{stage} {step}] {shown}", flush=True)
+
+
+def _plain(value):
+    """JSON-able: numbers as float, containers as they are."""
+    if isinstance(value, (dict, list, tuple, str)):
+        return value
+    return float(value)
+
+
+def _difficulties(value) -> tuple[int, ...]:
+    return tuple(int(d) for d in (value.split(",") if isinstance(value, str) else value))
+
+
+def _to_device(batch: learner.PackedBatch, mesh) -> learner.PackedBatch:
+    from jaxrl_agent import sharding
+
+    return jax.device_put(batch, sharding.batch_sharding(mesh))
+
+
+class Trainer:
+    """The pieces of a run, built once from the config."""
+
+    def __init__(self, config, workdir: str, *, quiet: bool = False):
+        self.config = config
+        self.workdir = workdir
+        self.writer = MetricsWriter(workdir, quiet=quiet)
+        self.tokenizer = build.build_tokenizer(config)
+        self.template = tokenizer_lib.make_template(config.tokenizer.template)
+        self.mesh = build.build_mesh(config)
+        self.model_config, params = build.build_model(config, self.mesh)
+        self.env = envs.make(config.env.name)
+        self.expert = envs.expert_policy(config.env.name)
+        self.train_difficulties = _difficulties(config.env.train_difficulties)
+        self.eval_difficulties = _difficulties(config.env.eval_difficulties)
+        self.engine = build.build_engine(config, self.model_config, params, self.tokenizer)
+        self.sampler = LocalSampler(self.engine)
+        self.buffer = replay.ReplayBuffer(vocab_size=self.model_config.vocab_size,
+                                          max_length=config.learner.row_length)
+        self.rng = np.random.RandomState(config.seed)
+        self.params = params
+        self.version = 0
+        self.task_seed = 0
+
+    # ---------------------------------------------------------------- helpers
+    def _tasks(self, n: int) -> list[envs.Task]:
+        tasks = []
+        for _ in range(n):
+            difficulty = self.train_difficulties[self.rng.randint(len(self.train_difficulties))]
+            tasks.append(self.env.sample_task(self.task_seed, difficulty))
+            self.task_seed += 1
+        return tasks
+
+    def _episode_settings(self, temperature: float) -> rollout.EpisodeSettings:
+        c = self.config.rollout
+        return rollout.EpisodeSettings(
+            sampling=SamplingParams(temperature=temperature, max_tokens=c.max_tokens_per_turn),
+            max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns)
+
+    def _make_env(self, task):
+        return rollout.InProcessEnv(envs.make(self.config.env.name))
+
+    def _push_weights(self, params) -> None:
+        self.version += 1
+        self.params = params
+        self.sampler.update_weights(params, self.version)
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self) -> dict[str, float]:
+        c = self.config.eval
+        results = {}
+        for d in self.eval_difficulties:
+            tasks = [self.env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, d) for i in range(c.tasks_per_difficulty)]
+            groups = asyncio.run(rollout.collect_groups(
+                self.sampler, self._make_env, tasks, 1, self.tokenizer, self.template,
+                self._episode_settings(temperature=0.0), seed=10**6))
+            results[f"eval/pass@1/d{d}"] = float(np.mean([g[0].reward_components.get("success", 0.0) for g in groups]))
+        trained = [results[f"eval/pass@1/d{d}"] for d in self.eval_difficulties if d in self.train_difficulties]
+        results["eval/pass@1/trained_levels"] = float(np.mean(trained)) if trained else 0.0
+        return results
+
+    # ---------------------------------------------------------------- SFT
+    def run_sft(self) -> None:
+        c = self.config.sft
+        if c.steps <= 0:
+            return
+        optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
+                                           total_steps=c.steps, grad_clip_norm=self.config.learner.grad_clip_norm)
+        state = learner.init_state(self.params, optimizer, seed=self.config.seed)
+        step_fn, _ = learner.jit_train_step(
+            learner.make_train_step(self.model_config, optimizer, sft=True,
+                                    microbatches=self.config.learner.microbatches), state, self.mesh)
+        start = time.perf_counter()
+        for step in range(1, c.steps + 1):
+            trajectories = [rollout.expert_trajectory(self.env, task, self.expert, self.tokenizer, self.template,
+                                                      include_system_prompt=self.config.rollout.include_system_prompt)
+                            for task in self._tasks(c.batch_size)]
+            batch, _ = replay.pack(trajectories, self.config.learner.row_length,
+                                   row_multiple=self.config.learner.row_multiple)
+            state, metrics = step_fn(state, _to_device(batch, self.mesh))
+            if step % c.log_every == 0 or step == c.steps:
+                metrics = jax.device_get(metrics)
+                self.writer.write("sft", step, {"loss": metrics["loss"], "entropy": metrics["entropy"],
+                                                "grad_norm": metrics["grad_norm"],
+                                                "seconds": time.perf_counter() - start})
+        self._push_weights(state.params)
+        self.writer.write("sft_eval", c.steps, self.evaluate())
+
+    # ---------------------------------------------------------------- RL
+    def run_rl(self) -> None:
+        c, r = self.config.rl, self.config.rollout
+        if c.iterations <= 0:
+            return
+        updates = c.iterations * c.minibatches
+        optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
+                                           total_steps=updates, grad_clip_norm=self.config.learner.grad_clip_norm)
+        state = learner.init_state(self.params, optimizer, seed=self.config.seed)
+        spec = losses.ObjectiveSpec(
+            terms=(losses.PolicyTerm("mirror_descent", tau=c.tau, level="token", clip_eps_low=c.clip_eps,
+                                     clip_eps_high=c.clip_eps),),
+            corrections=(losses.TIS(cap=c.tis_cap),))
+        step_fn, _ = learner.jit_train_step(
+            learner.make_train_step(self.model_config, optimizer, objective=losses.make_objective(spec),
+                                    microbatches=self.config.learner.microbatches, temperature=r.temperature),
+            state, self.mesh)
+        for iteration in range(1, c.iterations + 1):
+            started = time.perf_counter()
+            tasks = self._tasks(r.prompts_per_iteration)
+            groups = asyncio.run(rollout.collect_groups(
+                self.sampler, self._make_env, tasks, r.group_size, self.tokenizer, self.template,
+                self._episode_settings(r.temperature), seed=iteration))
+            sample_seconds = time.perf_counter() - started
+            signal = rollout.assign_advantages(groups, normalize_std=r.normalize_std)
+            all_trajectories = [t for g in groups for t in g]
+            kept = [t for g in groups if not r.drop_zero_advantage_groups or any(t.advantage != 0 for t in g)
+                    for t in g]
+            self.buffer.insert(kept, current_version=self.version)
+            batch_trajectories = self.buffer.take()
+            learn_started = time.perf_counter()
+            metrics: dict[str, Any] = {}
+            if batch_trajectories:
+                order = self.rng.permutation(len(batch_trajectories))
+                for part in np.array_split(order, c.minibatches):
+                    if len(part) == 0:
+                        continue
+                    batch, _ = replay.pack([batch_trajectories[i] for i in part], self.config.learner.row_length,
+                                           row_multiple=self.config.learner.row_multiple)
+                    state, metrics = step_fn(state, _to_device(batch, self.mesh))
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                self._push_weights(state.params)
+            lag = [int(self.version - 1 - v) for t in batch_trajectories for v in t.policy_version[t.loss_mask == 1]]
+            record = {
+                **signal,
+                "success": float(np.mean([t.reward_components.get("success", 0.0) for t in all_trajectories])),
+                "reward": float(np.mean([t.reward for t in all_trajectories])),
+                "trained_trajectories": len(batch_trajectories),
+                "generated_tokens": int(sum(t.generated_tokens for t in all_trajectories)),
+                "policy_lag_max": max(lag) if lag else 0,
+                "sample_seconds": sample_seconds,
+                "learn_seconds": time.perf_counter() - learn_started,
+                "finish_reasons": _count(t.finish_reason for t in all_trajectories),
+                "replay_rejected": dict(self.buffer.rejected),
+                **{k: v for k, v in metrics.items() if k in ("loss", "entropy", "grad_norm", "masked_token_share",
+                                                              "drift/sampler_abs_diff_max", "drift/sampler_abs_diff_mean",
+                                                              "mirror_descent/clip_frac_low",
+                                                              "mirror_descent/clip_frac_high", "tis/weight_mean")},
+            }
+            self.writer.write("rl", iteration, record)
+            if iteration % self.config.eval.every == 0 or iteration == c.iterations:
+                self.writer.write("rl_eval", iteration, self.evaluate())
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = False) -> str:
+    """Runs SFT then RL as configured; returns the path of the metrics file."""
+    workdir = workdir or config.workdir
+    trainer = Trainer(config, workdir, quiet=quiet)
+    try:
+        trainer.writer.write("start", 0, {"params": build.models.count_params(trainer.params),
+                                           "devices": jax.device_count()})
+        trainer.writer.write("initial_eval", 0, trainer.evaluate())
+        trainer.run_sft()
+        trainer.run_rl()
+    finally:
+        trainer.close()
+    return trainer.writer.path
