@@ -64,9 +64,13 @@ def bench_naive(config, params, concurrency, new_tokens):
     return concurrency * new_tokens / (time.perf_counter() - start)
 
 
-def _engine(config, params, slots, steps):
+def _cache_length(new_tokens):
+    return PROMPT_LEN + new_tokens + 16  # as tunix_sampler_baseline.py sizes its cache
+
+
+def _engine(config, params, slots, steps, new_tokens):
     return AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
-                       max_cache_length=PROMPT_LEN + 128, steps_per_call=steps, stop_token_ids=[-1])
+                       max_cache_length=_cache_length(new_tokens), steps_per_call=steps, stop_token_ids=[-1])
 
 
 def bench_local(sampler, concurrency, new_tokens):
@@ -94,10 +98,10 @@ def bench_server(address, concurrency, new_tokens):
     return asyncio.run(run(1))
 
 
-def start_server(slots, steps):
+def start_server(slots, steps, new_tokens):
     overrides = [f"--config.model.{k}={v}" for k, v in MODEL.items()] + [
         f"--config.sampler.max_concurrent_decodes={slots}", "--config.sampler.max_prefill_length=16",
-        f"--config.sampler.max_cache_length={PROMPT_LEN + 128}", f"--config.sampler.steps_per_call={steps}"]
+        f"--config.sampler.max_cache_length={_cache_length(new_tokens)}", f"--config.sampler.steps_per_call={steps}"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "sampler_server.py"), "--config",
                              os.path.join(ROOT, "configs", "calculator_tiny.py"), "--port", "0"] + overrides,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
@@ -122,8 +126,8 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = max(levels)
     rows = []
-    sampler = LocalSampler(_engine(config, params, slots, args.steps_per_call))
-    server = None if args.skip_server else start_server(slots, args.steps_per_call)
+    sampler = LocalSampler(_engine(config, params, slots, args.steps_per_call, args.new_tokens))
+    server = None if args.skip_server else start_server(slots, args.steps_per_call, args.new_tokens)
     try:
         for c in levels:
             naive = statistics.median(bench_naive(config, params, c, args.new_tokens) for _ in range(args.repeats))
@@ -143,7 +147,7 @@ def main():
                               "--batch", "8", "--new_tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
                              capture_output=True, text=True, check=True).stdout
         tunix = float(re.search(r"tunix_tokens_per_s=([\d.]+)", out).group(1))
-        with LocalSampler(_engine(config, params, 8, args.steps_per_call)) as eight:
+        with LocalSampler(_engine(config, params, 8, args.steps_per_call, args.new_tokens)) as eight:
             ours = statistics.median(bench_local(eight, 8, args.new_tokens) for _ in range(args.repeats))
         print(f"\n| batch 8, {args.new_tokens} new tokens | tokens/s |\n|---|---|\n| tunix Sampler | {tunix:,.0f} |\n"
               f"| our engine (8 slots, in-process) | {ours:,.0f} |\n| ratio ours / tunix | {ours / tunix:.2f} |\n")

@@ -134,7 +134,7 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
         grads = jax.tree.map(lambda g: g / microbatches, grads)
         loss = loss / microbatches
         metrics = jax.tree.map(jnp.mean, metrics)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
