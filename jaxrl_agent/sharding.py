@@ -60,7 +60,8 @@ def mesh_from_config(cfg) -> Mesh:
     return make_mesh(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor)
 
 
-def _path_str(path) -> str:
+def path_name(path) -> str:
+    """'layers/attn/q_proj/kernel' for a pytree key path."""
     parts = []
     for entry in path:
         parts.append(str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry)))))
@@ -88,7 +89,7 @@ def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
 def param_partition_specs(params, mesh: Mesh, rules=PARAM_RULES):
     """PartitionSpec for every leaf of `params` (shapes may be arrays or ShapeDtypeStructs)."""
     def spec_for(path, leaf):
-        name = _path_str(path)
+        name = path_name(path)
         for pattern, spec in rules:
             if re.search(pattern, name):
                 return fit_spec(spec, tuple(leaf.shape), mesh)

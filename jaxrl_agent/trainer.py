@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from typing import Any
@@ -74,6 +75,8 @@ class Trainer:
         self.tokenizer = build.build_tokenizer(config)
         self.template = tokenizer_lib.make_template(config.tokenizer.template)
         self.mesh = build.build_mesh(config)
+        # Learner rows are split over ('data', 'fsdp'): their count must divide evenly.
+        self.row_multiple = math.lcm(config.learner.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         self.model_config, params = build.build_model(config, self.mesh)
         self.env = envs.make(config.env.name)
         self.expert = envs.expert_policy(config.env.name)
@@ -142,7 +145,7 @@ class Trainer:
                                                       include_system_prompt=self.config.rollout.include_system_prompt)
                             for task in self._tasks(c.batch_size)]
             batch, _ = replay.pack(trajectories, self.config.learner.row_length,
-                                   row_multiple=self.config.learner.row_multiple)
+                                   row_multiple=self.row_multiple)
             state, metrics = step_fn(state, _to_device(batch, self.mesh))
             if step % c.log_every == 0 or step == c.steps:
                 metrics = jax.device_get(metrics)
@@ -190,7 +193,7 @@ class Trainer:
                     if len(part) == 0:
                         continue
                     batch, _ = replay.pack([batch_trajectories[i] for i in part], self.config.learner.row_length,
-                                           row_multiple=self.config.learner.row_multiple)
+                                           row_multiple=self.row_multiple)
                     state, metrics = step_fn(state, _to_device(batch, self.mesh))
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 self._push_weights(state.params)

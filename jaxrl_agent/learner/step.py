@@ -14,7 +14,6 @@ counted in `state.skipped_steps`.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import flax.struct
@@ -157,18 +156,28 @@ def state_shardings(state: TrainState, mesh: jax.sharding.Mesh):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     param_shardings = sharding.param_shardings(state.params, mesh)
 
+    specs = {sharding.path_name(path): spec for path, spec in jax.tree_util.tree_flatten_with_path(
+        sharding.param_partition_specs(state.params, mesh), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
+
     def opt_leaf_sharding(path, leaf):
-        # Optimizer moments mirror the parameter tree: find the parameter of the same shape and path.
-        name = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
-        for pattern, spec in sharding.PARAM_RULES:
-            if re.search(pattern, name) and getattr(leaf, "ndim", 0) > 0:
-                return jax.sharding.NamedSharding(mesh, sharding.fit_spec(spec, tuple(leaf.shape), mesh))
+        # Optimizer moments mirror the parameter tree under a prefix ('1/0/mu/...'): same sharding.
+        name = sharding.path_name(path)
+        for param_name, spec in specs.items():
+            if name.endswith("/" + param_name) and tuple(leaf.shape) == tuple(_shape(state.params, param_name)):
+                return jax.sharding.NamedSharding(mesh, spec)
         return replicated
 
     opt = jax.tree_util.tree_map_with_path(opt_leaf_sharding, state.opt_state)
     ref = None if state.ref_params is None else param_shardings
     return TrainState(step=replicated, params=param_shardings, opt_state=opt, ref_params=ref,
                       skipped_steps=replicated, rng=replicated)
+
+
+def _shape(params, name: str):
+    node = params
+    for key in name.split("/"):
+        node = node[key]
+    return node.shape
 
 
 def jit_train_step(train_step, state: TrainState, mesh: jax.sharding.Mesh):
