@@ -17,6 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0  # PRNG seed for parameter init and everything downstream.
     config.workdir = "runs/calculator_tiny"  # Where checkpoints and metrics go.
+    config.resume = False  # Continue from the latest checkpoint in workdir/checkpoints.
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.kind = "char"  # 'char' (built in, no files) or 'hf' (a tokenizer.json).
@@ -49,6 +50,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.hf_path = ""
     config.checkpoint.param_dtype = "float32"  # Parameter dtype after loading a checkpoint.
     config.checkpoint.compute_dtype = "float32"  # Activation dtype for a loaded checkpoint.
+    config.checkpoint.every = 10  # Save every N RL iterations (and after SFT, and at the end).
+    config.checkpoint.keep = 2  # Checkpoints kept.
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.data = 1  # Pure data-parallel axis size.

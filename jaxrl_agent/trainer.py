@@ -48,6 +48,41 @@ class MetricsWriter:
             print(f"[{stage} {step}] {shown}", flush=True)
 
 
+class Checkpointer:
+    """Orbax checkpoints of the learner state plus a JSON record of everything else a run needs to
+    continue the same schedule: stage, iteration, policy version, task-stream position, RNG state
+    and the replay buffer."""
+
+    def __init__(self, directory: str, keep: int):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    def save(self, step: int, state, meta: dict) -> None:
+        ocp = self._ocp
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.wait_until_finished()
+
+    def latest_meta(self) -> dict | None:
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        ocp = self._ocp
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def restore_state(self, target):
+        ocp = self._ocp
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        step = self.manager.latest_step()
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+
+    def close(self) -> None:
+        self.manager.close()
+
+
 def _plain(value):
     """JSON-able: numbers as float, containers as they are."""
     if isinstance(value, (dict, list, tuple, str)):
@@ -90,6 +125,8 @@ class Trainer:
         self.params = params
         self.version = 0
         self.task_seed = 0
+        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
+        self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
 
     # ---------------------------------------------------------------- helpers
     def _tasks(self, n: int) -> list[envs.Task]:
@@ -108,6 +145,32 @@ class Trainer:
 
     def _make_env(self, task):
         return rollout.InProcessEnv(envs.make(self.config.env.name))
+
+    def _meta(self, stage: str, iteration: int) -> dict:
+        kind, keys, pos, has_gauss, cached = self.rng.get_state()
+        return {"stage": stage, "iteration": iteration, "version": self.version, "task_seed": self.task_seed,
+                "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+                "replay": self.buffer.state_dict()}
+
+    def _load_meta(self, meta: dict) -> None:
+        self.version = int(meta["version"])
+        self.task_seed = int(meta["task_seed"])
+        kind, keys, pos, has_gauss, cached = meta["rng"]
+        self.rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, cached))
+        self.buffer.load_state_dict(meta["replay"])
+
+    def _checkpoint(self, stage: str, iteration: int, state) -> None:
+        self.checkpointer.save(self.config.sft.steps + iteration, {"params": state.params,
+                                                                   "opt_state": state.opt_state,
+                                                                   "step": state.step}, self._meta(stage, iteration))
+
+    def _restore(self, state):
+        restored = self.checkpointer.restore_state({"params": state.params, "opt_state": state.opt_state,
+                                                    "step": state.step})
+        self._load_meta(self.resume_meta)
+        self.params = restored["params"]
+        self.sampler.update_weights(self.params, self.version)
+        return state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"])
 
     def _push_weights(self, params) -> None:
         self.version += 1
@@ -131,7 +194,7 @@ class Trainer:
     # ---------------------------------------------------------------- SFT
     def run_sft(self) -> None:
         c = self.config.sft
-        if c.steps <= 0:
+        if c.steps <= 0 or self.resume_meta is not None:
             return
         optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
                                            total_steps=c.steps, grad_clip_norm=self.config.learner.grad_clip_norm)
@@ -153,6 +216,7 @@ class Trainer:
                                                 "grad_norm": metrics["grad_norm"],
                                                 "seconds": time.perf_counter() - start})
         self._push_weights(state.params)
+        self._checkpoint("sft_done", 0, state)
         self.writer.write("sft_eval", c.steps, self.evaluate())
 
     # ---------------------------------------------------------------- RL
@@ -172,7 +236,21 @@ class Trainer:
             learner.make_train_step(self.model_config, optimizer, objective=losses.make_objective(spec),
                                     microbatches=self.config.learner.microbatches, temperature=r.temperature),
             state, self.mesh)
-        for iteration in range(1, c.iterations + 1):
+        first_iteration = 1
+        if self.resume_meta is not None:
+            # The latest checkpoint: after SFT (start RL fresh from those weights) or mid-RL.
+            if self.resume_meta["stage"] == "rl":
+                state = self._restore(state)
+                first_iteration = int(self.resume_meta["iteration"]) + 1
+            else:
+                self._load_meta(self.resume_meta)
+                params = self._restore_params_only(state.params)
+                state = learner.init_state(params, optimizer, seed=self.config.seed)
+                self.params = params
+                self.sampler.update_weights(params, self.version)
+            self.writer.write("resume", first_iteration - 1, {"from_stage": self.resume_meta["stage"],
+                                                               "version": self.version})
+        for iteration in range(first_iteration, c.iterations + 1):
             started = time.perf_counter()
             tasks = self._tasks(r.prompts_per_iteration)
             groups = asyncio.run(rollout.collect_groups(
@@ -215,11 +293,23 @@ class Trainer:
                                                               "mirror_descent/clip_frac_high", "tis/weight_mean")},
             }
             self.writer.write("rl", iteration, record)
+            if iteration % self.config.checkpoint.every == 0 or iteration == c.iterations:
+                self._checkpoint("rl", iteration, state)
             if iteration % self.config.eval.every == 0 or iteration == c.iterations:
                 self.writer.write("rl_eval", iteration, self.evaluate())
 
+    def _restore_params_only(self, params_target):
+        """Parameters from a post-SFT checkpoint (its optimizer state belongs to the SFT optimizer)."""
+        import orbax.checkpoint as ocp
+
+        step = self.checkpointer.manager.latest_step()
+        restored = self.checkpointer.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(None)))["state"]
+        return jax.tree.map(lambda target, value: jnp.asarray(value, target.dtype), params_target, restored["params"])
+
     def close(self) -> None:
         self.sampler.close()
+        self.checkpointer.close()
 
 
 def _count(values) -> dict[str, int]:
@@ -236,7 +326,8 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
     try:
         trainer.writer.write("start", 0, {"params": build.models.count_params(trainer.params),
                                            "devices": jax.device_count()})
-        trainer.writer.write("initial_eval", 0, trainer.evaluate())
+        if trainer.resume_meta is None:
+            trainer.writer.write("initial_eval", 0, trainer.evaluate())
         trainer.run_sft()
         trainer.run_rl()
     finally:

@@ -42,8 +42,28 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
         assert record["trained_trajectories"] == 6 and record["generated_tokens"] > 0
         assert 0.0 <= record["nonzero_advantage_group_share"] <= 1.0
         assert math.isfinite(record["loss"]) and math.isfinite(record["drift/sampler_abs_diff_max"])
-        # On-policy: the learner's recomputation matches what the sampler reported.
-        assert record["drift/sampler_abs_diff_max"] < 1e-3
+        # On-policy, and the metric is from the last of two minibatches, after one small update.
+        assert record["drift/sampler_abs_diff_max"] < 0.05
         assert record["policy_lag_max"] == 0
     evals = [r for r in records if r["stage"].endswith("eval")]
     assert all({"eval/pass@1/d1", "eval/pass@1/d4"} <= set(r) for r in evals)
+
+
+def test_resume_continues_the_same_schedule(tmp_path):
+    config = tiny_config(tmp_path)
+    config.checkpoint.every = 1
+    trainer.train_and_evaluate(config, quiet=True)
+    first = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    saved_version = [r for r in first if r["stage"] == "rl"][-1]
+    config.resume = True
+    config.rl.iterations = 3
+    trainer.train_and_evaluate(config, quiet=True)
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][len(first):]
+    stages = [r["stage"] for r in records]
+    assert "sft" not in stages and "initial_eval" not in stages
+    resume = next(r for r in records if r["stage"] == "resume")
+    assert resume["step"] == 2 and resume["from_stage"] == "rl"
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [3]
+    rl3 = next(r for r in records if r["stage"] == "rl")
+    assert rl3["policy_lag_max"] == 0 and rl3["drift/sampler_abs_diff_max"] < 0.05
+    assert saved_version["trained_trajectories"] == 6
