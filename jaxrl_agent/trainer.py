@@ -125,6 +125,7 @@ class Trainer:
         self.params = params
         self.version = 0
         self.task_seed = 0
+        self.sft_skipped = 0
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
 
@@ -207,13 +208,17 @@ class Trainer:
             trajectories = [rollout.expert_trajectory(self.env, task, self.expert, self.tokenizer, self.template,
                                                       include_system_prompt=self.config.rollout.include_system_prompt)
                             for task in self._tasks(c.batch_size)]
-            batch, _ = replay.pack(trajectories, self.config.learner.row_length,
+            # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
+            fitting = [t for t in trajectories if t.length <= self.config.learner.row_length]
+            self.sft_skipped += len(trajectories) - len(fitting)
+            batch, _ = replay.pack(fitting, self.config.learner.row_length,
                                    row_multiple=self.row_multiple)
             state, metrics = step_fn(state, _to_device(batch, self.mesh))
             if step % c.log_every == 0 or step == c.steps:
                 metrics = jax.device_get(metrics)
                 self.writer.write("sft", step, {"loss": metrics["loss"], "entropy": metrics["entropy"],
                                                 "grad_norm": metrics["grad_norm"],
+                                                "skipped_demonstrations": self.sft_skipped,
                                                 "seconds": time.perf_counter() - start})
         self._push_weights(state.params)
         self._checkpoint("sft_done", 0, state)
