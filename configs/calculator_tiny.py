@@ -82,14 +82,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
 
     config.sft = ml_collections.ConfigDict()
-    config.sft.steps = 400  # Cold-start updates on scripted-expert trajectories (0 = none).
-    config.sft.batch_size = 64  # Fresh expert episodes per update.
-    config.sft.learning_rate = 1e-3  # AdamW peak learning rate.
+    config.sft.steps = 800  # Cold-start updates on scripted-expert trajectories (0 = none).
+    config.sft.batch_size = 32  # Fresh expert episodes per update (~1.5 s per update on 2 cores).
+    config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
     config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.
 
     config.rl = ml_collections.ConfigDict()
-    config.rl.iterations = 30  # Sample -> learn iterations.
+    config.rl.iterations = 20  # Sample -> learn iterations.
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.
@@ -98,14 +98,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.tis_cap = 2.0  # Truncated importance weight cap for learner/sampler mismatch.
 
     config.learner = ml_collections.ConfigDict()
-    config.learner.row_length = 512  # Tokens per packed learner row (several episodes per row).
+    config.learner.row_length = 256  # Tokens per packed learner row (episodes are ~120 tokens).
     config.learner.row_multiple = 4  # Rows are padded to a multiple of this (fewer recompilations).
     config.learner.microbatches = 1  # Gradient accumulation steps per update.
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 5  # Evaluate every N RL iterations (and after SFT, and at the end).
-    config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
+    config.eval.tasks_per_difficulty = 32  # Held-out tasks per difficulty, greedy pass@1.
 
     config.smoke = ml_collections.ConfigDict()
     config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.

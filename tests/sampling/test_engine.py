@@ -116,8 +116,12 @@ def test_weight_update_takes_effect_and_versions_are_recorded():
     assert versions == [0, 0, 0, 7]
     old, _ = _greedy_reference(prompt, 3)
     assert tokens[:3] == old
-    logits = forward_rows(params2, list(prompt) + tokens[:3])[-1]
-    assert tokens[3] == int(jnp.argmax(logits))
+    # In-flight requests keep their KV cache: t3 comes from the new weights run on t2, attending to
+    # the prompt, t0 and t1 as the old weights encoded them.
+    cache = models.init_cache(CONFIG, 1, 64)
+    _, cache = models.prefill(CONFIG, PARAMS, jnp.asarray([list(prompt) + tokens[:2]]), cache)
+    logits, _ = models.decode_step(CONFIG, params2, jnp.asarray([tokens[2]]), jnp.asarray([len(prompt) + 2]), cache)
+    assert tokens[3] == int(jnp.argmax(logits[0]))
 
 
 def test_concurrent_async_requests_do_not_cross_talk():
