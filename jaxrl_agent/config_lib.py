@@ -70,3 +70,17 @@ def check_overrides(argv: Sequence[str], flag: str = "config") -> None:
             f"--{flag}.{key}: {path} has no field {key!r}{hint} (valid top-level fields: "
             f"{sorted(config.keys())})"
         )
+
+
+def run_app(main, argv: Sequence[str] | None = None) -> None:
+    """`absl.app.run(main)` after checking `--config.*` overrides, so a misspelled key stops the
+    program with one clear line instead of a traceback from inside flag parsing."""
+    import sys
+
+    from absl import app
+
+    try:
+        check_overrides(sys.argv if argv is None else argv)
+    except (ConfigOverrideError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    app.run(main)

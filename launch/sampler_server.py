@@ -7,7 +7,6 @@ versions, finish reasons, weight updates) on one port. Prints
 `sampler server listening on HOST:PORT` when ready (`--port 0` picks a free port).
 """
 
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -43,8 +42,4 @@ def main(argv):
 if __name__ == "__main__":
     from jaxrl_agent import config_lib
 
-    try:
-        config_lib.check_overrides(sys.argv)
-    except (config_lib.ConfigOverrideError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
-    app.run(main)
+    config_lib.run_app(main)

@@ -7,7 +7,6 @@ Multi-host: run the same command on every host with --coordinator_address, --num
 passing --distributed).
 """
 
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -44,8 +43,4 @@ def main(argv):
 if __name__ == "__main__":
     from jaxrl_agent import config_lib
 
-    try:
-        config_lib.check_overrides(sys.argv)
-    except (config_lib.ConfigOverrideError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
-    app.run(main)
+    config_lib.run_app(main)

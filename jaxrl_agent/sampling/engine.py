@@ -219,7 +219,7 @@ class AgentEngine(engine_api.Engine):
                 sampling: SamplingParams | None = None) -> Prefix:
         del params  # the engine's own (params, version), read now
         if existing_prefix is not None:
-            raise NotImplementedError("prefix caching is not supported; send the whole history as ids")
+            raise ValueError("existing_prefix (prefix caching) is not supported; send the whole history as ids")
         sampling = sampling or SamplingParams()
         tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
         if true_length < 1 or true_length > tokens.shape[0]:
