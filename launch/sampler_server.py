@@ -8,7 +8,7 @@ versions, finish reasons, weight updates) on one port. Prints
 """
 
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)

@@ -8,7 +8,7 @@ passing --distributed).
 """
 
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
