@@ -151,7 +151,7 @@ def main():
             ours = statistics.median(bench_local(eight, 8, args.new_tokens) for _ in range(args.repeats))
         print(f"\n| batch 8, {args.new_tokens} new tokens | tokens/s |\n|---|---|\n| tunix Sampler | {tunix:,.0f} |\n"
               f"| our engine (8 slots, in-process) | {ours:,.0f} |\n| ratio ours / tunix | {ours / tunix:.2f} |\n")
-    print(f"| concurrency | naive full forward | in-process engine | gRPC server | engine / naive | server / engine |")
+    print("| concurrency | naive full forward | in-process engine | gRPC server | engine / naive | server / engine |")
     print("|---|---|---|---|---|---|")
     for c, naive, local, remote in rows:
         print(f"| {c} | {naive:,.0f} | {local:,.0f} | {remote:,.0f} | {local / naive:.2f} | {remote / local:.2f} |")

@@ -33,3 +33,10 @@ from jaxrl_agent.envs.tool_protocol import (
 from jaxrl_agent.envs import calculator, code, kb_search, terminal  # noqa: E402,F401
 
 BUILTIN_ENVS = ("calculator", "kb_search", "terminal", "code")
+
+__all__ = [
+    "BUILTIN_ENVS", "Environment", "FINISH_REASONS", "HELD_OUT_SEED_OFFSET", "Observation", "ParsedAction", "Step",
+    "Task", "ToolCall", "ToolCallError", "ToolEnvironment", "ToolError", "ToolSpec", "expert_policy",
+    "format_answer", "format_tool_call", "format_tool_result", "make", "parse_tool_calls", "register",
+    "registered", "run_episode",
+]

@@ -13,7 +13,6 @@ This module imports TensorFlow Datasets (and TensorFlow); the rest of `jaxrl_age
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Callable, Mapping
 
 import grain

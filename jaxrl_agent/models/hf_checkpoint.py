@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxrl_agent.models.config import ModelConfig, UnsupportedArchitectureError, dtype_from_name
+from jaxrl_agent.models.config import ModelConfig, UnsupportedArchitectureError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -6,7 +6,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import envs, learner, losses, models, replay, rollout, sharding

@@ -1,6 +1,5 @@
 """The engine and the in-process sampler: exact greedy decoding, exact log-probs, slots, stops."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
