@@ -14,6 +14,7 @@ RL iteration (synchronous schedule, on-policy):
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import os
@@ -290,7 +291,7 @@ class Trainer:
                 "policy_lag_max": max(lag) if lag else 0,
                 "sample_seconds": sample_seconds,
                 "learn_seconds": time.perf_counter() - learn_started,
-                "finish_reasons": _count(t.finish_reason for t in all_trajectories),
+                "finish_reasons": dict(collections.Counter(t.finish_reason for t in all_trajectories)),
                 "replay_rejected": dict(self.buffer.rejected),
                 **{k: v for k, v in metrics.items() if k in ("loss", "entropy", "grad_norm", "masked_token_share",
                                                               "drift/sampler_abs_diff_max", "drift/sampler_abs_diff_mean",
@@ -315,13 +316,6 @@ class Trainer:
     def close(self) -> None:
         self.sampler.close()
         self.checkpointer.close()
-
-
-def _count(values) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
 
 
 def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = False) -> str:

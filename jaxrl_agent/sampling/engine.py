@@ -128,9 +128,6 @@ class EngineTokenizer:
     def decode(self, token_ids, **kwargs) -> str:
         return self._tok.decode([int(t) for t in token_ids])
 
-    def decode_str(self, token_ids) -> str:
-        return self.decode(token_ids)
-
     @property
     def pad_id(self) -> int:
         return self._tok.pad_id
