@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.param_dtype = "float32"  # Parameter storage dtype.
     config.model.dtype = "float32"  # Activation dtype (logits are always float32).
     config.model.remat = False  # Recompute blocks in the backward pass to save memory.
+    config.model.scan_layers = False  # Unrolled layers train ~15% faster here; scan compiles once for deep models.
 
     config.checkpoint = ml_collections.ConfigDict()
     # A Hugging Face model folder to start from; '' = random init from config.model. When set, the

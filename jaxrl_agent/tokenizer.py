@@ -71,18 +71,37 @@ DEFAULT_SPECIAL_TOKENS = (
     "</answer>",
 )
 DEFAULT_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+# Multi-character words that are single ids, as a BPE vocabulary would merge them: the role names
+# and the boilerplate of the JSON tool-call format. They cut a calculator episode from ~120 ids to
+# ~60-80, which halves the learner's and the sampler's work per episode on a CPU.
+DEFAULT_WORDS = (
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    '{"name":"',
+    '","arguments":{"',
+    '":"',
+    '"}}',
+    "calc",
+    "expr",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class CharTokenizer:
-    """Character-level tokenizer: id = index in special_tokens + alphabet.
+    """Character-level tokenizer: id = index in special_tokens + alphabet + words.
 
-    Characters outside the alphabet encode to `<unk>`, so only in-alphabet text round-trips.
+    Special tokens and words are single ids, matched longest first; everything else is one id per
+    character. Characters outside the alphabet encode to `<unk>`, so only in-alphabet text
+    round-trips. As with any subword vocabulary, encode(a) + encode(b) may differ from
+    encode(a + b); sampled ids are therefore never re-encoded (see the module docstring).
     """
 
     alphabet: str = DEFAULT_ALPHABET
     special_tokens: tuple[str, ...] = DEFAULT_SPECIAL_TOKENS
     eos_token: str = "<|im_end|>"
+    words: tuple[str, ...] = DEFAULT_WORDS
 
     def __post_init__(self):
         for required in ("<pad>", "<unk>", self.eos_token):
@@ -93,11 +112,16 @@ class CharTokenizer:
         overlap = set(self.alphabet) & set(self.special_tokens)
         if overlap:
             raise ValueError(f"single-character special tokens {sorted(overlap)} collide with the alphabet")
-        vocab = list(self.special_tokens) + list(self.alphabet)
+        for word in self.words:
+            if len(word) < 2 or word in self.special_tokens or any(c not in self.alphabet for c in word):
+                raise ValueError(f"word {word!r} must be 2+ characters of the alphabet and not a special token")
+        if len(set(self.words)) != len(self.words):
+            raise ValueError(f"words has repeated entries: {self.words}")
+        vocab = list(self.special_tokens) + list(self.alphabet) + list(self.words)
         object.__setattr__(self, "_ids", {tok: i for i, tok in enumerate(vocab)})
         object.__setattr__(self, "_vocab", vocab)
         # Longest first so that e.g. '</tool_call>' is not read as '<' ... .
-        specials = sorted(self.special_tokens, key=len, reverse=True)
+        specials = sorted(tuple(self.special_tokens) + tuple(self.words), key=len, reverse=True)
         object.__setattr__(self, "_special_re", re.compile("|".join(re.escape(s) for s in specials)))
 
     @property

@@ -44,7 +44,7 @@ def test_every_config_loads_locked_and_commented(path):
 def test_launcher_runs_tiny_config():
     result = _run("--mode", "smoke", "--config", "configs/calculator_tiny.py")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "forward pass ok" in result.stdout and "'logits_shape': (2, 32, 110)" in result.stdout
+    assert "forward pass ok" in result.stdout and "'logits_shape': (2, 32, 120)" in result.stdout
 
 
 def test_launcher_with_overrides_on_eight_devices():

@@ -42,6 +42,20 @@ def test_char_tokenizer_round_trips_any_in_alphabet_text(text):
     assert t.decode(t.encode(text)) == text
 
 
+def test_char_tokenizer_words_are_single_ids_longest_first():
+    t = tok.CharTokenizer()
+    call = '{"name":"calc","arguments":{"expr":"1+2"}}'
+    ids = t.encode(call)
+    assert [t.decode([i]) for i in ids] == ['{"name":"', "calc", '","arguments":{"', "expr", '":"', "1", "+", "2",
+                                            '"}}']
+    assert t.encode("users") == [t.token_to_id("user"), t.token_to_id("s")]
+    assert t.vocab_size == len(tok.DEFAULT_SPECIAL_TOKENS) + len(tok.DEFAULT_ALPHABET) + len(tok.DEFAULT_WORDS)
+    # Without words the tokenizer is purely character level.
+    assert len(tok.CharTokenizer(words=()).encode(call)) == len(call)
+    with pytest.raises(ValueError, match="word 'x'"):
+        tok.CharTokenizer(words=("x",))
+
+
 def test_char_tokenizer_unknown_characters_and_bad_ids():
     t = tok.CharTokenizer()
     assert t.encode("é") == [t.token_to_id("<unk>")]
@@ -102,7 +116,7 @@ def test_generation_prompt_and_llama3_template():
     rendered = tok.CHATML.render(CONVERSATION[:2], t, add_generation_prompt=True)
     assert t.decode(rendered.ids).endswith("<|im_start|>assistant\n")
     prompt_len = len(tok.CHATML.generation_prompt_ids(t))
-    assert prompt_len == 1 + len("assistant\n")  # '<|im_start|>' is one id
+    assert prompt_len == 3  # '<|im_start|>', 'assistant' and '\n' are one id each
     assert rendered.assistant_mask[-prompt_len:].sum() == 0
     llama = tok.make_template("llama3")
     assert llama.header_ids("tool", t) == t.encode("<|start_header_id|>ipython<|end_header_id|>\n\n")

@@ -78,6 +78,9 @@ class ModelConfig:
       param_dtype: dtype parameters are stored in.
       dtype: dtype of activations and matmuls; logits and log-softmax are always float32.
       remat: rematerialise each block in the backward pass (memory for compute).
+      scan_layers: run the uncached forward as one `nn.scan` over the stacked layers (compile
+        time independent of depth) or as an unrolled loop (no stacked residual buffers; ~15%
+        faster training steps for the tiny CPU models). Parameters are stacked either way.
     """
 
     architecture: str = "llama"
@@ -98,6 +101,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -133,9 +133,13 @@ class Attention(nn.Module):
     def __call__(self, x, positions, mask, layer_cache, cache_start):
         cfg = self.config
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = _dense((n, d), -1, cfg.attention_bias, cfg, "q_proj")(x)  # [B, T, N, D]
-        key = _dense((k, d), -1, cfg.attention_bias, cfg, "k_proj")(x)  # [B, T, K, D]
-        value = _dense((k, d), -1, cfg.attention_bias, cfg, "v_proj")(x)
+        b, t = x.shape[:2]
+        # Projections act on [B*T, H] rows: with 3-D operands XLA:CPU materialises transposed
+        # copies for the weight gradients (measured ~3x slower backward).
+        rows = x.reshape(b * t, x.shape[-1])
+        q = _dense((n, d), -1, cfg.attention_bias, cfg, "q_proj")(rows).reshape(b, t, n, d)
+        key = _dense((k, d), -1, cfg.attention_bias, cfg, "k_proj")(rows).reshape(b, t, k, d)
+        value = _dense((k, d), -1, cfg.attention_bias, cfg, "v_proj")(rows).reshape(b, t, k, d)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="q_norm")(q)
             key = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="k_norm")(key)
@@ -150,15 +154,19 @@ class Attention(nn.Module):
             key = _write_cache(cache_k, key, cache_start)
             value = _write_cache(cache_v, value, cache_start)
             new_cache = (key, value)
-        b, t = q.shape[:2]
-        q = q.reshape(b, t, k, n // k, d)
-        scores = jnp.einsum("btkgd,bksd->bkgts", q, key, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(d))
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, value.astype(cfg.jnp_dtype))
-        out = out.reshape(b, t, n, d)
-        out = _dense(cfg.hidden_size, (-2, -1), False, cfg, "o_proj")(out)
+        g, s = n // k, key.shape[2]
+        # Query heads sharing a KV head are folded into the query axis: [B, K, G*T, D], so both
+        # attention products are plain 4-D batched matmuls.
+        q = q.reshape(b, t, k, g, d).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, d)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, key, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, k, g, t, s) / jnp.sqrt(jnp.float32(d))
+        # An additive bias rather than a select: the backward of `where` materialised a
+        # [L, B, K, G, T, S] broadcast of its constant per step on XLA:CPU.
+        scores = scores + jnp.where(mask, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None, :, :]
+        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype).reshape(b, k, g * t, s)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, value.astype(cfg.jnp_dtype))
+        out = out.reshape(b, k, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, n, d)
+        out = _dense(cfg.hidden_size, (-2, -1), False, cfg, "o_proj")(out).reshape(b, t, cfg.hidden_size)
         return out, new_cache
 
 
@@ -170,9 +178,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        gate = _dense(cfg.intermediate_size, -1, False, cfg, "gate_proj")(x)
-        up = _dense(cfg.intermediate_size, -1, False, cfg, "up_proj")(x)
-        return _dense(cfg.hidden_size, -1, False, cfg, "down_proj")(nn.silu(gate) * up)
+        rows = x.reshape(-1, x.shape[-1])  # [B*T, H]: see Attention on 3-D operands
+        gate = _dense(cfg.intermediate_size, -1, False, cfg, "gate_proj")(rows)
+        up = _dense(cfg.intermediate_size, -1, False, cfg, "up_proj")(rows)
+        return _dense(cfg.hidden_size, -1, False, cfg, "down_proj")(nn.silu(gate) * up).reshape(x.shape)
 
 
 class Block(nn.Module):
@@ -303,7 +312,35 @@ def forward(
     mask = _causal_mask(idx, idx)
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return Transformer(config).apply({"params": params}, tokens, positions, mask)
+    if config.scan_layers:
+        return Transformer(config).apply({"params": params}, tokens, positions, mask)
+    logits, _ = _unrolled(config, params, tokens, positions, mask, None, None)
+    return logits
+
+
+def _unrolled(config: ModelConfig, params: Params, tokens, positions, mask, cache: KVCache | None, cache_start):
+    """Embeddings, each block with its slice of the stacked layer parameters, logits.
+
+    With a cache, each layer's buffers are updated in place (see `KVCache`)."""
+    model = Transformer(config)
+    x = model.apply({"params": params}, tokens, method=Transformer.embed_tokens)
+    block = Block(config)
+
+    def run_block(layer_params, x, layer_cache):
+        return block.apply({"params": layer_params}, x, layer_cache, positions, mask, cache_start)
+
+    if config.remat and cache is None:
+        run_block = jax.checkpoint(run_block)
+    new_k, new_v = [], []
+    for layer in range(config.num_layers):
+        layer_params = jax.tree.map(lambda p: p[layer], params["layers"])
+        layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
+        x, kv = run_block(layer_params, x, layer_cache)
+        if kv is not None:
+            new_k.append(kv[0])
+            new_v.append(kv[1])
+    logits = model.apply({"params": params}, x, method=Transformer.logits)
+    return logits, (KVCache(tuple(new_k), tuple(new_v)) if cache is not None else None)
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -332,18 +369,7 @@ def extend(
     _check_tokens(config, tokens, 2)
     slots = jnp.arange(cache.max_length)[None, :]
     mask = positions[:, :, None] >= slots[:, None, :]  # [B, T, S]
-    model = Transformer(config)
-    x = model.apply({"params": params}, tokens, method=Transformer.embed_tokens)
-    block = Block(config)
-    new_k, new_v = [], []
-    for layer in range(config.num_layers):  # unrolled: each layer's cache is updated in place
-        layer_params = jax.tree.map(lambda p: p[layer], params["layers"])
-        x, (k, v) = block.apply({"params": layer_params}, x, (cache.k[layer], cache.v[layer]), positions, mask,
-                                positions[:, 0])
-        new_k.append(k)
-        new_v.append(v)
-    logits = model.apply({"params": params}, x, method=Transformer.logits)
-    return logits, KVCache(tuple(new_k), tuple(new_v))
+    return _unrolled(config, params, tokens, positions, mask, cache, positions[:, 0])
 
 
 def prefill(

@@ -86,16 +86,19 @@ def test_positions_from_segments():
     np.testing.assert_array_equal(models.positions_from_segments(seg), [[0, 1, 2, 0, 1, 0, 0, 1]])
 
 
-def test_remat_gives_identical_values_and_gradients():
+@pytest.mark.parametrize("remat,scan_layers", [(True, True), (False, False), (True, False)])
+def test_remat_and_unrolled_layers_give_identical_values_and_gradients(remat, scan_layers):
     config = CONFIGS["qwen3"]
     params = _params(config)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 10), 0, config.vocab_size)
+    segments = jnp.asarray([[1] * 4 + [2] * 6, [1] * 10])
 
     def loss(cfg, p):
-        return jnp.mean(jax.nn.log_softmax(models.forward(cfg, p, tokens))[..., 0])
+        return jnp.mean(jax.nn.log_softmax(models.forward(cfg, p, tokens, segment_ids=segments))[..., 0])
 
     value, grad = jax.value_and_grad(functools.partial(loss, config))(params)
-    value_r, grad_r = jax.value_and_grad(functools.partial(loss, config.replace(remat=True)))(params)
+    variant = config.replace(remat=remat, scan_layers=scan_layers)
+    value_r, grad_r = jax.value_and_grad(functools.partial(loss, variant))(params)
     np.testing.assert_allclose(value, value_r, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_r)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
