@@ -68,26 +68,31 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.env = ml_collections.ConfigDict()
     config.env.name = "calculator"  # Environment (see jaxrl_agent.envs.registered()).
-    config.env.train_difficulties = "1,2,3"  # Difficulty levels trained on (comma-separated).
+    config.env.train_difficulties = "1,2,3"  # Levels RL samples tasks from (comma-separated).
     config.env.eval_difficulties = "1,2,3,4"  # Levels evaluated on held-out seeds (4 is never trained).
 
     config.rollout = ml_collections.ConfigDict()
     config.rollout.prompts_per_iteration = 64  # Tasks per RL iteration (background/learning-notes.md: 64 x 4).
     config.rollout.group_size = 4  # Episodes per task; advantages are relative within the group.
     config.rollout.temperature = 1.0  # Sampling temperature (0.7 learned worse in the notes).
-    config.rollout.max_tokens_per_turn = 96  # Longest assistant turn, in tokens.
-    config.rollout.max_context = 320  # Longest episode, in tokens; beyond it finish_reason=context_limit.
+    config.rollout.max_tokens_per_turn = 64  # Longest assistant turn, in tokens.
+    config.rollout.max_context = 128  # Longest episode in tokens (<= learner.row_length); then context_limit.
     config.rollout.max_turns = 4  # Assistant turns per episode.
     config.rollout.include_system_prompt = False  # Prepend the tool description (long for a char model).
     config.rollout.normalize_std = False  # Divide advantages by the group std (GRPO) or not (Dr. GRPO).
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
 
     config.sft = ml_collections.ConfigDict()
-    config.sft.steps = 800  # Cold-start updates on scripted-expert trajectories (0 = none).
-    config.sft.batch_size = 32  # Fresh expert episodes per update (~1.5 s per update on 2 cores).
+    config.sft.steps = 300  # Cold-start updates on scripted-expert trajectories (0 = none).
+    config.sft.batch_size = 64  # Fresh expert episodes per update (~0.9 s per update on 2 cores).
     config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
     config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.
+    # Levels with expert demonstrations ('' = env.train_difficulties). Demonstrations are scarce in
+    # real agentic training: the default shows the expert only on the easier levels and leaves the
+    # rest to RL.
+    config.sft.difficulties = "1,2"
+    config.sft.eval_every = 0  # Held-out evaluation every N SFT updates (0 = only after SFT).
 
     config.rl = ml_collections.ConfigDict()
     config.rl.iterations = 20  # Sample -> learn iterations.
@@ -99,7 +104,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.tis_cap = 2.0  # Truncated importance weight cap for learner/sampler mismatch.
 
     config.learner = ml_collections.ConfigDict()
-    config.learner.row_length = 256  # Tokens per packed learner row (episodes are ~120 tokens).
+    config.learner.row_length = 128  # Tokens per packed learner row (expert episodes are 55-80 tokens).
     config.learner.row_multiple = 4  # Rows are padded to a multiple of this (fewer recompilations).
     config.learner.microbatches = 1  # Gradient accumulation steps per update.
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.

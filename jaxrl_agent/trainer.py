@@ -117,7 +117,11 @@ class Trainer:
         self.env = envs.make(config.env.name)
         self.expert = envs.expert_policy(config.env.name)
         self.train_difficulties = _difficulties(config.env.train_difficulties)
+        self.sft_difficulties = _difficulties(config.sft.difficulties or config.env.train_difficulties)
         self.eval_difficulties = _difficulties(config.env.eval_difficulties)
+        if config.rollout.max_context > config.learner.row_length:
+            raise ValueError(f"rollout.max_context={config.rollout.max_context} exceeds learner.row_length="
+                             f"{config.learner.row_length}: episodes that long could never be trained on")
         self.engine = build.build_engine(config, self.model_config, params, self.tokenizer)
         self.sampler = LocalSampler(self.engine)
         self.buffer = replay.ReplayBuffer(vocab_size=self.model_config.vocab_size,
@@ -131,10 +135,11 @@ class Trainer:
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
 
     # ---------------------------------------------------------------- helpers
-    def _tasks(self, n: int) -> list[envs.Task]:
+    def _tasks(self, n: int, difficulties: tuple[int, ...] | None = None) -> list[envs.Task]:
+        difficulties = difficulties or self.train_difficulties
         tasks = []
         for _ in range(n):
-            difficulty = self.train_difficulties[self.rng.randint(len(self.train_difficulties))]
+            difficulty = difficulties[self.rng.randint(len(difficulties))]
             tasks.append(self.env.sample_task(self.task_seed, difficulty))
             self.task_seed += 1
         return tasks
@@ -208,7 +213,7 @@ class Trainer:
         for step in range(1, c.steps + 1):
             trajectories = [rollout.expert_trajectory(self.env, task, self.expert, self.tokenizer, self.template,
                                                       include_system_prompt=self.config.rollout.include_system_prompt)
-                            for task in self._tasks(c.batch_size)]
+                            for task in self._tasks(c.batch_size, self.sft_difficulties)]
             # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
             fitting = [t for t in trajectories if t.length <= self.config.learner.row_length]
             self.sft_skipped += len(trajectories) - len(fitting)
@@ -221,6 +226,9 @@ class Trainer:
                                                 "grad_norm": metrics["grad_norm"],
                                                 "skipped_demonstrations": self.sft_skipped,
                                                 "seconds": time.perf_counter() - start})
+            if c.eval_every and step % c.eval_every == 0 and step != c.steps:
+                self.sampler.update_weights(state.params, self.version)
+                self.writer.write("sft_eval", step, self.evaluate())
         self._push_weights(state.params)
         self._checkpoint("sft_done", 0, state)
         self.writer.write("sft_eval", c.steps, self.evaluate())

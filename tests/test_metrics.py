@@ -1,0 +1,64 @@
+"""Exploration metrics: pass@k against the binomial formula, clusters, group signal, entropy."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxrl_agent import metrics
+from jaxrl_agent.envs import tool_protocol as tp
+
+
+def test_pass_at_k_golden_values():
+    assert metrics.pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert metrics.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert metrics.pass_at_k(4, 0, 4) == 0.0
+    assert metrics.pass_at_k(4, 1, 4) == 1.0
+    assert metrics.pass_at_k(100, 1, 10) == pytest.approx(0.1)
+
+
+def test_pass_at_k_equals_binomial_formula_on_a_grid():
+    for n in range(1, 13):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                expected = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+                assert metrics.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+
+
+@pytest.mark.parametrize("n,c,k,match", [(4, 5, 1, "exceeds"), (4, 2, 0, "k=0"), (4, 2, 5, "k=5"),
+                                         (-1, 0, 1, "n=-1"), (4, 1.5, 1, "c=1.5")])
+def test_pass_at_k_rejects_bad_arguments(n, c, k, match):
+    with pytest.raises(ValueError, match=match):
+        metrics.pass_at_k(n, c, k)
+
+
+def test_mean_pass_at_k():
+    tasks = [[True, False, False, False], [False] * 4, [True] * 4]
+    assert metrics.mean_pass_at_k(tasks, 1) == pytest.approx((0.25 + 0 + 1) / 3)
+    assert metrics.mean_pass_at_k(tasks, 4) == pytest.approx(2 / 3)
+
+
+def test_solution_clusters_ignore_whitespace_and_answers():
+    call = lambda expr: tp.format_tool_call(tp.ToolCall("calc", {"expr": expr}))
+    a = metrics.solution_signature([call("1+2"), "<answer>3</answer>"])
+    b = metrics.solution_signature([call("1 + 2"), "<answer>4</answer>"])
+    c = metrics.solution_signature([call("2+1"), "<answer>3</answer>"])
+    broken = metrics.solution_signature(['<tool_call>{"name": oops</tool_call>'])
+    assert a == b != c
+    assert broken == "!error"
+    assert metrics.distinct_solutions({"t1": [a, b, c], "t2": [a, a]}) == pytest.approx((2 + 1) / 2)
+
+
+def test_group_signal_counts_mixed_groups():
+    assert metrics.group_signal([[1, 0, 0], [1, 1, 1], [0, 0, 0], [0.5, 0.5, 1]]) == pytest.approx(0.5)
+    assert metrics.group_signal([]) == 0.0
+
+
+def test_entropy_by_env_is_the_mean_negative_logprob_of_sampled_tokens():
+    class T:
+        def __init__(self, env, logprobs, mask):
+            self.env, self.sampler_logprobs, self.loss_mask = env, np.asarray(logprobs), np.asarray(mask)
+
+    out = metrics.entropy_by_env([T("a", [0.0, -1.0, -2.0], [0, 1, 1]), T("a", [-3.0, -9.0], [1, 0]),
+                                  T("b", [-0.5], [1])])
+    assert out == {"a": pytest.approx(2.0), "b": pytest.approx(0.5)}
