@@ -25,6 +25,9 @@ setuptools.setup(
         "importlib_resources>=6.0",  # tensorflow-datasets needs it to read builder metadata
         "numpy>=1.26",
         "absl-py>=2.1.0",
+        # Observability: TensorBoard event files and the `python -m jaxrl_agent.plot` curves.
+        "tensorboard>=2.16",
+        "matplotlib>=3.8",
         # Hugging Face checkpoints and tokenizers.
         "safetensors>=0.4.5",
         "tokenizers>=0.20.0",

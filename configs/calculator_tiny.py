@@ -112,6 +112,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 5  # Evaluate every N RL iterations (and after SFT, and at the end).
     config.eval.tasks_per_difficulty = 32  # Held-out tasks per difficulty, greedy pass@1.
+    config.eval.pass_k = 0  # Also k samples per task at rollout.temperature for pass@k (0 = greedy only).
+
+    config.metrics = ml_collections.ConfigDict()
+    config.metrics.tensorboard = True  # Also write TensorBoard scalars to workdir/tensorboard.
 
     config.smoke = ml_collections.ConfigDict()
     config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.

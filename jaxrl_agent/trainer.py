@@ -26,27 +26,61 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_agent import build, envs, learner, losses, replay, rollout
+from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 from jaxrl_agent.sampling import LocalSampler, SamplingParams
 
 
 class MetricsWriter:
-    """Console lines and a JSON-lines file (workdir/metrics.jsonl), one record per event."""
+    """Every record goes to a console line, to workdir/metrics.jsonl (one JSON object per record,
+    with `stage`, `step` and `time`) and, when enabled, to TensorBoard event files under
+    workdir/tensorboard as scalars tagged `<stage>/<key>` (nested dicts flattened with `/`)."""
 
-    def __init__(self, workdir: str, quiet: bool = False):
+    def __init__(self, workdir: str, quiet: bool = False, tensorboard: bool = False):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.quiet = quiet
+        self._tb = None
+        if tensorboard:
+            # TensorBoard's own event writer and protos: no TensorFlow session or device involved.
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            self._pb = (event_pb2, summary_pb2)
+            self._tb = EventFileWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
         record = {"stage": stage, "step": step, "time": time.time(),
                   **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            event_pb2, summary_pb2 = self._pb
+            values = [summary_pb2.Summary.Value(tag=f"{stage}/{key}", simple_value=value)
+                      for key, value in _flatten(metrics).items()]
+            self._tb.add_event(event_pb2.Event(wall_time=record["time"], step=int(step),
+                                               summary=summary_pb2.Summary(value=values)))
+            self._tb.flush()
         if not self.quiet:
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
                              if k not in ("stage", "step", "time") and not isinstance(v, (list, dict)))
             print(f"[{stage} {step}] {shown}", flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of nested dicts as {'a/b': value}; strings and lists are left out."""
+    out = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "/"))
+        elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
 
 
 class Checkpointer:
@@ -91,6 +125,17 @@ def _plain(value):
     return float(value)
 
 
+def _success(trajectory) -> float:
+    return float(trajectory.reward_components.get("success", 0.0))
+
+
+def _actions(trajectory, tokenizer) -> list[str]:
+    """The text of each assistant turn (contiguous sampled spans), end markers included."""
+    mask = np.asarray(trajectory.loss_mask)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [tokenizer.decode(trajectory.tokens[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+
+
 def _difficulties(value) -> tuple[int, ...]:
     return tuple(int(d) for d in (value.split(",") if isinstance(value, str) else value))
 
@@ -107,7 +152,7 @@ class Trainer:
     def __init__(self, config, workdir: str, *, quiet: bool = False):
         self.config = config
         self.workdir = workdir
-        self.writer = MetricsWriter(workdir, quiet=quiet)
+        self.writer = MetricsWriter(workdir, quiet=quiet, tensorboard=config.metrics.tensorboard)
         self.tokenizer = build.build_tokenizer(config)
         self.template = tokenizer_lib.make_template(config.tokenizer.template)
         self.mesh = build.build_mesh(config)
@@ -193,9 +238,18 @@ class Trainer:
             groups = asyncio.run(rollout.collect_groups(
                 self.sampler, self._make_env, tasks, 1, self.tokenizer, self.template,
                 self._episode_settings(temperature=0.0), seed=10**6))
-            results[f"eval/pass@1/d{d}"] = float(np.mean([g[0].reward_components.get("success", 0.0) for g in groups]))
+            results[f"eval/pass@1/d{d}"] = float(np.mean([_success(g[0]) for g in groups]))
+            if c.pass_k > 1:
+                # k samples per task at the training temperature: unbiased pass@1 and pass@k.
+                groups = asyncio.run(rollout.collect_groups(
+                    self.sampler, self._make_env, tasks, c.pass_k, self.tokenizer, self.template,
+                    self._episode_settings(temperature=self.config.rollout.temperature), seed=2 * 10**6))
+                successes = [[_success(t) > 0 for t in g] for g in groups]
+                results[f"eval/sampled_pass@1/d{d}"] = metrics_lib.mean_pass_at_k(successes, 1)
+                results[f"eval/pass@{c.pass_k}/d{d}"] = metrics_lib.mean_pass_at_k(successes, c.pass_k)
         trained = [results[f"eval/pass@1/d{d}"] for d in self.eval_difficulties if d in self.train_difficulties]
-        results["eval/pass@1/trained_levels"] = float(np.mean(trained)) if trained else 0.0
+        # The headline number: greedy success on held-out tasks of the levels RL trains on.
+        results["eval/success"] = float(np.mean(trained)) if trained else 0.0
         return results
 
     # ---------------------------------------------------------------- SFT
@@ -290,9 +344,20 @@ class Trainer:
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 self._push_weights(state.params)
             lag = [int(self.version - 1 - v) for t in batch_trajectories for v in t.policy_version[t.loss_mask == 1]]
+            successes = [[_success(t) > 0 for t in g] for g in groups]
+            clusters = {g[0].task_id: [metrics_lib.solution_signature(_actions(t, self.tokenizer)) for t in g]
+                        for g in groups}
+            trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch_trajectories))
+            iteration_seconds = time.perf_counter() - started
             record = {
                 **signal,
-                "success": float(np.mean([t.reward_components.get("success", 0.0) for t in all_trajectories])),
+                "success": float(np.mean([_success(t) for t in all_trajectories])),
+                f"pass@{r.group_size}": metrics_lib.mean_pass_at_k(successes, r.group_size),
+                "distinct_solutions": metrics_lib.distinct_solutions(clusters),
+                **{f"sampled_entropy/{env}": v for env, v in metrics_lib.entropy_by_env(all_trajectories).items()},
+                "trained_tokens": trained_tokens,
+                "effective_samples_per_second": len(batch_trajectories) / iteration_seconds,
+                "trained_tokens_per_second": trained_tokens / iteration_seconds,
                 "reward": float(np.mean([t.reward for t in all_trajectories])),
                 "trained_trajectories": len(batch_trajectories),
                 "generated_tokens": int(sum(t.generated_tokens for t in all_trajectories)),
@@ -324,6 +389,7 @@ class Trainer:
     def close(self) -> None:
         self.sampler.close()
         self.checkpointer.close()
+        self.writer.close()
 
 
 def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = False) -> str:

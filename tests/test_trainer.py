@@ -1,11 +1,14 @@
 """The closed loop end to end on a tiny configuration (a few steps; learning itself is shown by the
 launcher's default run, recorded in benchmarks/RESULTS.md)."""
 
+import glob
 import json
 import math
 import pathlib
 
-from jaxrl_agent import config_lib, trainer
+import pytest
+
+from jaxrl_agent import config_lib, plot, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,6 +20,7 @@ def tiny_config(workdir):
         "model.num_kv_heads": 1, "model.head_dim": 16, "sampler.max_concurrent_decodes": 8,
         "sampler.max_prefill_length": 128, "sampler.max_cache_length": 256, "rollout.prompts_per_iteration": 3,
         "rollout.group_size": 2, "rollout.max_tokens_per_turn": 48, "rollout.max_context": 200,
+        "sft.difficulties": "1", "eval.pass_k": 2,
         "rollout.drop_zero_advantage_groups": False, "sft.steps": 3, "sft.batch_size": 4, "sft.log_every": 1,
         "rl.iterations": 2, "eval.every": 1, "eval.tasks_per_difficulty": 2, "learner.row_length": 256,
         "env.eval_difficulties": "1,4", "workdir": str(workdir),
@@ -46,7 +50,31 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
         assert record["drift/sampler_abs_diff_max"] < 0.05
         assert record["policy_lag_max"] == 0
     evals = [r for r in records if r["stage"].endswith("eval")]
-    assert all({"eval/pass@1/d1", "eval/pass@1/d4"} <= set(r) for r in evals)
+    assert all({"eval/pass@1/d1", "eval/pass@1/d4", "eval/success", "eval/pass@2/d4"} <= set(r) for r in evals)
+    assert all(r["eval/pass@2/d1"] >= r["eval/sampled_pass@1/d1"] for r in evals)
+    for record in rl:  # exploration and throughput figures on every iteration
+        assert record["pass@2"] >= record["success"] - 1e-9
+        assert 1.0 <= record["distinct_solutions"] <= 2.0
+        assert record["sampled_entropy/calculator"] > 0 and record["trained_tokens"] > 0
+    # Demonstrations only from sft.difficulties; RL tasks from env.train_difficulties.
+    sft_eval = next(r for r in records if r["stage"] == "sft_eval")
+    assert sft_eval["step"] == 3
+
+    # TensorBoard scalars carry the same numbers as metrics.jsonl.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+    assert events
+    accumulator = EventAccumulator(events[0])
+    accumulator.Reload()
+    scalars = {(tag, e.step): e.value for tag in accumulator.Tags()["scalars"] for e in accumulator.Scalars(tag)}
+    last = rl[-1]
+    assert scalars[("rl/loss", last["step"])] == pytest.approx(last["loss"], rel=1e-6)
+    assert ("rl/finish_reasons/" + next(iter(last["finish_reasons"])), last["step"]) in scalars
+
+    # The plot command writes a PNG of the curves.
+    png = plot.plot(str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_resume_continues_the_same_schedule(tmp_path):
