@@ -360,6 +360,8 @@ class Trainer:
                 "trained_tokens_per_second": trained_tokens / iteration_seconds,
                 "reward": float(np.mean([t.reward for t in all_trajectories])),
                 "trained_trajectories": len(batch_trajectories),
+                # Schedule position after this iteration (a resumed run must continue it exactly).
+                "version": self.version, "task_seed": self.task_seed, "learner_step": int(state.step),
                 "generated_tokens": int(sum(t.generated_tokens for t in all_trajectories)),
                 "policy_lag_max": max(lag) if lag else 0,
                 "sample_seconds": sample_seconds,

@@ -78,8 +78,15 @@ class EpisodeSettings:
 
 
 async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: Tokenizer, template: TurnTemplate,
-                      settings: EpisodeSettings, *, seed: int = 0, group_id: str = "", sample_index: int = 0
-                      ) -> Trajectory:
+                      settings: EpisodeSettings, *, seed: int = 0, group_id: str = "", sample_index: int = 0,
+                      budget=None) -> Trajectory:
+    """Runs one episode to its end and returns its trajectory.
+
+    `budget` (an `EpisodeBudget`, optional) caps the tokens sampled per learner iteration (partial
+    rollouts): each sampler call asks `await budget.grant(n)` for at most n tokens — waiting, with
+    the environment state kept, while this iteration's budget is spent — and a turn cut short by
+    the budget is continued by the next call, so one turn may hold tokens of several versions.
+    """
     first = await env.reset(task, seed)
     messages = []
     if settings.include_system_prompt and first.system:
@@ -94,27 +101,44 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     turns: list[dict[str, Any]] = []
     reward, components, finish_reason, success = 0.0, {}, "max_turns", False
     for _ in range(settings.max_turns):
-        budget = settings.max_context - len(tokens)
-        if budget <= 0:
-            finish_reason = "context_limit"
-            break
-        sampling = dataclasses.replace(settings.sampling, max_tokens=min(settings.sampling.max_tokens, budget))
+        ids: list[int] = []  # this turn's sampled ids, possibly over several sampler calls
         started = time.perf_counter()
-        try:
-            completion = await sampler.generate(tokens, sampling)
-        except PromptTooLongError:
+        sampler_calls, cut = 0, False
+        while True:
+            room = min(settings.sampling.max_tokens - len(ids), settings.max_context - len(tokens))
+            if room <= 0:
+                break
+            wanted = room if budget is None else await budget.grant(room)
+            try:
+                completion = await sampler.generate(
+                    tokens, dataclasses.replace(settings.sampling, max_tokens=wanted))
+            except PromptTooLongError:
+                cut = True
+                break
+            sampler_calls += 1
+            new = list(completion.token_ids)
+            if budget is not None:
+                budget.spend(len(new))
+            ids += new
+            tokens += new
+            mask += [1] * len(new)
+            logprobs += list(completion.logprobs)
+            versions += list(completion.versions)
+            # Cut by this iteration's token budget (not by the turn's or the context's limit):
+            # resume the same turn with the next call.
+            if not (completion.finish_reason == "length" and wanted < room):
+                break
+        if not ids:
             finish_reason = "context_limit"
             break
-        ids = list(completion.token_ids)
-        tokens += ids
-        mask += [1] * len(ids)
-        logprobs += list(completion.logprobs)
-        versions += list(completion.versions)
         ended = len(ids) >= len(end_ids) and ids[-len(end_ids):] == end_ids
+        if cut and not ended:
+            finish_reason = "context_limit"
+            break
         action = tokenizer.decode(ids[:-len(end_ids)] if ended else ids)
         step = await env.step(action)
         turns.append({"sampled_tokens": len(ids), "sample_seconds": time.perf_counter() - started,
-                      "finish_reason": completion.finish_reason})
+                      "sampler_calls": sampler_calls, "finish_reason": completion.finish_reason})
         if step.done:
             reward = float(step.reward)
             components = dict(step.info.get("reward_components", {}))

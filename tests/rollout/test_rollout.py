@@ -75,8 +75,8 @@ def test_expert_trajectory_matches_a_sampled_episode():
 def test_context_limit_ends_the_episode():
     env = envs.make("calculator")
     t = asyncio.run(rollout.run_episode(ScriptedSampler(), rollout.InProcessEnv(env), env.sample_task(0, 1),
-                                        TOKENIZER, tok.CHATML, _settings(max_context=80)))
-    assert t.finish_reason == "context_limit" and t.reward == 0.0 and len(t.tokens) <= 80
+                                        TOKENIZER, tok.CHATML, _settings(max_context=45)))
+    assert t.finish_reason == "context_limit" and t.reward == 0.0 and len(t.tokens) <= 45
 
 
 def test_group_advantages_and_signal_share():

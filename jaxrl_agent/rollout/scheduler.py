@@ -1,0 +1,274 @@
+"""Rollout scheduling: which finished groups the learner may train on, and when.
+
+Three schedules (config `rollout.schedule`):
+  * `sync` — an on-policy barrier: every iteration submits P groups and waits for all of them.
+  * `windowed_fifo` (MiniMax-M1) — groups are submitted continuously; a finished group may be
+    trained only while its submission index lies within a window W of the oldest unfinished group,
+    so fast groups cannot run far ahead of slow ones (which would bias training toward short,
+    easy episodes) and the learner still does not wait for the slowest episode.
+  * `async` — any finished group is trained as soon as it is complete; tokens sampled more than S
+    policy versions ago are dropped (their episode is not trained) or masked out of the loss.
+
+Partial rollouts (Kimi k1.5): with `token_budget > 0` each episode may sample at most that many
+tokens per iteration; an episode that exhausts it is suspended, keeping its environment state and
+tokens, and resumed in a later iteration on newer weights. Every token keeps the version of the
+policy that sampled it, so a resumed episode carries mixed versions.
+
+The selection rules are pure functions (`windowed_fifo_selectable`, `apply_staleness`); the
+`RolloutRunner` keeps episodes alive across iterations on one asyncio loop in a background thread
+while the learner trains in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxrl_agent.envs import api as env_api
+from jaxrl_agent.replay.trajectory import Trajectory
+from jaxrl_agent.rollout.episode import EpisodeEnv, EpisodeSettings, run_episode
+
+SCHEDULES = ("sync", "windowed_fifo", "async")
+STALE_POLICIES = ("drop", "mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """mode: one of SCHEDULES. window: W for windowed_fifo, in groups. max_staleness: S for async,
+    in policy versions. stale_policy: 'drop' or 'mask'. token_budget: tokens per episode per
+    iteration (0 = unlimited, i.e. no partial rollouts). groups_in_flight: groups kept submitted
+    ahead of the learner by the non-sync schedules."""
+
+    mode: str = "sync"
+    window: int = 8
+    max_staleness: int = 2
+    stale_policy: str = "drop"
+    token_budget: int = 0
+    groups_in_flight: int = 0
+
+    def __post_init__(self):
+        if self.mode not in SCHEDULES:
+            raise ValueError(f"rollout.schedule={self.mode!r}; expected one of {SCHEDULES}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"rollout.stale_policy={self.stale_policy!r}; expected one of {STALE_POLICIES}")
+        for name in ("window", "max_staleness", "token_budget", "groups_in_flight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 0")
+        if self.mode == "windowed_fifo" and self.window < 1:
+            raise ValueError(f"rollout.window={self.window} must be >= 1 for windowed_fifo")
+
+
+def windowed_fifo_selectable(finished: Sequence[int], unfinished: Sequence[int], window: int) -> list[int]:
+    """Finished group indices (submission order) that lie within `window` of the oldest unfinished one.
+
+    A group i is selectable iff i < min(unfinished) + window (any i when nothing is unfinished).
+    """
+    oldest = min(unfinished) if len(unfinished) else math.inf
+    return sorted(i for i in finished if i < oldest + window)
+
+
+def apply_staleness(trajectory: Trajectory, current_version: int, max_staleness: int, policy: str
+                    ) -> Trajectory | None:
+    """Enforces lag = current_version - token version <= max_staleness on the sampled tokens.
+
+    'drop': a trajectory with any too-stale sampled token is dropped (returns None).
+    'mask': too-stale tokens leave the loss (loss_mask 0); a trajectory left with no trained token
+    is dropped.
+    """
+    sampled = trajectory.loss_mask == 1
+    stale = sampled & (current_version - trajectory.policy_version > max_staleness)
+    if not stale.any():
+        return trajectory
+    if policy == "drop":
+        return None
+    mask = np.where(stale, 0, trajectory.loss_mask).astype(trajectory.loss_mask.dtype)
+    if not mask.any():
+        return None
+    return dataclasses.replace(trajectory, loss_mask=mask)
+
+
+class IterationClock:
+    """Per-episode token budgets that refill at every iteration (partial rollouts).
+
+    `grant(episode_budget, wanted)` returns how many tokens the episode may sample now; when its
+    budget for the current iteration is spent it waits for `advance()`. Lives on the runner's loop;
+    `on_suspend` is called (on that loop) each time an episode suspends.
+    """
+
+    def __init__(self, token_budget: int, on_suspend: Callable[[], None] = lambda: None):
+        self.token_budget = token_budget
+        self.iteration = 0
+        self.suspended = 0
+        self._on_suspend = on_suspend
+        self._changed = asyncio.Condition()
+
+    async def grant(self, budget: "EpisodeBudget", wanted: int) -> int:
+        if self.token_budget <= 0:
+            return wanted
+        async with self._changed:
+            while True:
+                if budget.iteration != self.iteration:
+                    budget.iteration, budget.spent = self.iteration, 0
+                left = self.token_budget - budget.spent
+                if left > 0:
+                    return min(wanted, left)
+                self.suspended += 1
+                budget.suspensions += 1
+                self._on_suspend()
+                try:
+                    await self._changed.wait()
+                finally:
+                    self.suspended -= 1
+
+    async def advance(self) -> None:
+        async with self._changed:
+            self.iteration += 1
+            self._changed.notify_all()
+
+
+@dataclasses.dataclass
+class EpisodeBudget:
+    """One episode's spending against the clock's per-iteration budget."""
+
+    clock: IterationClock
+    iteration: int = 0
+    spent: int = 0
+    suspensions: int = 0
+
+    async def grant(self, wanted: int) -> int:
+        return await self.clock.grant(self, wanted)
+
+    def spend(self, tokens: int) -> None:
+        self.spent += tokens
+
+
+@dataclasses.dataclass
+class _Group:
+    index: int
+    task: env_api.Task
+    trajectories: list | None = None
+    submitted_at: float = 0.0
+    finished_at: float | None = None
+
+
+class RolloutRunner:
+    """Episodes as coroutines on a persistent event loop (background thread), grouped by task.
+
+    submit(tasks) -> group indices in submission order; the learner thread then polls
+    `finished()` / `unfinished()` / `running_episodes()` and `take(indices)`.
+    """
+
+    def __init__(self, sampler, make_env: Callable[[env_api.Task], EpisodeEnv], tokenizer, template,
+                 settings: EpisodeSettings, group_size: int, token_budget: int = 0, seed: int = 0):
+        self.sampler, self.make_env = sampler, make_env
+        self.tokenizer, self.template, self.settings = tokenizer, template, settings
+        self.group_size, self.seed = group_size, seed
+        self._groups: dict[int, _Group] = {}
+        self._next_index = 0
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._running = 0  # episodes sampling or stepping (not finished, not suspended)
+        self._errors: list[BaseException] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollouts", daemon=True)
+        self._thread.start()
+        self.clock = self._call(self._make_clock(token_budget))
+
+    async def _make_clock(self, token_budget):
+        return IterationClock(token_budget, on_suspend=self._notify)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, tasks: Sequence[env_api.Task]) -> list[int]:
+        indices = []
+        with self._lock:
+            for task in tasks:
+                index = self._next_index
+                self._next_index += 1
+                self._groups[index] = _Group(index, task, submitted_at=time.perf_counter())
+                self._running += self.group_size
+                indices.append(index)
+        for index in indices:
+            asyncio.run_coroutine_threadsafe(self._run_group(self._groups[index]), self.loop)
+        return indices
+
+    async def _run_group(self, group: _Group) -> None:
+        async def one(i):
+            budget = EpisodeBudget(self.clock, iteration=self.clock.iteration)
+            try:
+                return await run_episode(
+                    self.sampler, self.make_env(group.task), group.task, self.tokenizer, self.template,
+                    self.settings, seed=self.seed + group.index * self.group_size + i,
+                    group_id=f"g{group.index}", sample_index=i, budget=budget)
+            finally:
+                with self._changed:
+                    self._running -= 1
+                    self._changed.notify_all()
+
+        try:
+            trajectories = await asyncio.gather(*(one(i) for i in range(self.group_size)))
+        except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
+            with self._changed:
+                self._errors.append(err)
+                self._changed.notify_all()
+            return
+        with self._changed:
+            group.trajectories = list(trajectories)
+            group.finished_at = time.perf_counter()
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ state (learner thread)
+    def finished(self) -> list[int]:
+        with self._lock:
+            return sorted(i for i, g in self._groups.items() if g.trajectories is not None)
+
+    def unfinished(self) -> list[int]:
+        with self._lock:
+            return sorted(i for i, g in self._groups.items() if g.trajectories is None)
+
+    def running_episodes(self) -> int:
+        with self._lock:
+            return self._running
+
+    def wait(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Blocks until predicate() (evaluated under the runner's lock) holds; raises an episode error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if self._errors:
+                    raise self._errors.pop(0)
+                if predicate():
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(timeout=remaining if remaining is not None else 1.0)
+
+    def quiescent(self) -> bool:
+        """Every episode is finished or suspended on its token budget (call under wait())."""
+        return self._running == 0 or self._running == self.clock.suspended
+
+    def take(self, indices: Sequence[int]) -> list[list[Trajectory]]:
+        with self._lock:
+            groups = [self._groups.pop(i) for i in indices]
+        return [g.trajectories for g in groups]
+
+    def next_iteration(self) -> None:
+        """Refills every episode's token budget: suspended partial rollouts resume."""
+        self._call(self.clock.advance())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
