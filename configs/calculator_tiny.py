@@ -81,6 +81,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.include_system_prompt = False  # Prepend the tool description (long for a char model).
     config.rollout.normalize_std = False  # Divide advantages by the group std (GRPO) or not (Dr. GRPO).
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
+    # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
+    config.rollout.schedule = "sync"
+    config.rollout.window = 8  # windowed_fifo: trainable groups lie within W of the oldest unfinished one.
+    config.rollout.max_staleness = 2  # async: sampled at most S policy versions before training.
+    config.rollout.stale_policy = "drop"  # async: 'drop' episodes with older tokens, or 'mask' those tokens.
+    config.rollout.token_budget = 0  # Partial rollouts: tokens per episode per iteration (0 = no limit).
+    config.rollout.groups_in_flight = 0  # Non-sync: groups submitted ahead of the learner (0 = prompts_per_iteration).
 
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 300  # Cold-start updates on scripted-expert trajectories (0 = none).
@@ -88,15 +95,17 @@ def get_config() -> ml_collections.ConfigDict:
     config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
     config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.
-    # Levels with expert demonstrations ('' = env.train_difficulties). Demonstrations are scarce in
-    # real agentic training: the default shows the expert only on the easier levels and leaves the
-    # rest to RL.
-    config.sft.difficulties = "1,2"
+    # Levels with expert demonstrations ('' = env.train_difficulties).
+    config.sft.difficulties = "1,2,3"
+    # Demonstrations are a fixed set of this many expert episodes, revisited over epochs (as a
+    # real demonstration dataset is finite); 0 = a fresh expert episode for every example.
+    config.sft.num_demonstrations = 512
     config.sft.eval_every = 0  # Held-out evaluation every N SFT updates (0 = only after SFT).
 
     config.rl = ml_collections.ConfigDict()
     config.rl.iterations = 20  # Sample -> learn iterations.
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
+    config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.
     config.rl.tau = 0.05  # Mirror-descent regulariser strength (Kimi k1.5), token level.

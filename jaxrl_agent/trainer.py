@@ -125,6 +125,11 @@ def _plain(value):
     return float(value)
 
 
+# Demonstration tasks use their own seed range: disjoint from RL's task stream (0, 1, ...) and from
+# the held-out evaluation seeds (envs.HELD_OUT_SEED_OFFSET + i).
+DEMONSTRATION_SEED_OFFSET = 2_000_000
+
+
 def _success(trajectory) -> float:
     return float(trajectory.reward_components.get("success", 0.0))
 
@@ -176,6 +181,7 @@ class Trainer:
         self.version = 0
         self.task_seed = 0
         self.sft_skipped = 0
+        self.runner = None
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
 
@@ -202,7 +208,8 @@ class Trainer:
         kind, keys, pos, has_gauss, cached = self.rng.get_state()
         return {"stage": stage, "iteration": iteration, "version": self.version, "task_seed": self.task_seed,
                 "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-                "replay": self.buffer.state_dict()}
+                "replay": self.buffer.state_dict(),
+                "pending": self.runner.pending_state() if self.runner is not None else None}
 
     def _load_meta(self, meta: dict) -> None:
         self.version = int(meta["version"])
@@ -264,10 +271,19 @@ class Trainer:
             learner.make_train_step(self.model_config, optimizer, sft=True,
                                     microbatches=self.config.learner.microbatches), state, self.mesh)
         start = time.perf_counter()
+        demonstrate = lambda task: rollout.expert_trajectory(
+            self.env, task, self.expert, self.tokenizer, self.template,
+            include_system_prompt=self.config.rollout.include_system_prompt)
+        # A finite set of demonstrations (sft.num_demonstrations > 0), revisited over epochs, or
+        # fresh ones every step.
+        pool = [demonstrate(self.env.sample_task(DEMONSTRATION_SEED_OFFSET + i,
+                                                 self.sft_difficulties[i % len(self.sft_difficulties)]))
+                for i in range(c.num_demonstrations)]
         for step in range(1, c.steps + 1):
-            trajectories = [rollout.expert_trajectory(self.env, task, self.expert, self.tokenizer, self.template,
-                                                      include_system_prompt=self.config.rollout.include_system_prompt)
-                            for task in self._tasks(c.batch_size, self.sft_difficulties)]
+            if pool:
+                trajectories = [pool[i] for i in self.rng.randint(len(pool), size=c.batch_size)]
+            else:
+                trajectories = [demonstrate(task) for task in self._tasks(c.batch_size, self.sft_difficulties)]
             # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
             fitting = [t for t in trajectories if t.length <= self.config.learner.row_length]
             self.sft_skipped += len(trajectories) - len(fitting)
@@ -318,66 +334,129 @@ class Trainer:
                 self.sampler.update_weights(params, self.version)
             self.writer.write("resume", first_iteration - 1, {"from_stage": self.resume_meta["stage"],
                                                                "version": self.version})
-        for iteration in range(first_iteration, c.iterations + 1):
-            started = time.perf_counter()
-            tasks = self._tasks(r.prompts_per_iteration)
-            groups = asyncio.run(rollout.collect_groups(
-                self.sampler, self._make_env, tasks, r.group_size, self.tokenizer, self.template,
-                self._episode_settings(r.temperature), seed=iteration))
-            sample_seconds = time.perf_counter() - started
-            signal = rollout.assign_advantages(groups, normalize_std=r.normalize_std)
-            all_trajectories = [t for g in groups for t in g]
-            kept = [t for g in groups if not r.drop_zero_advantage_groups or any(t.advantage != 0 for t in g)
-                    for t in g]
-            self.buffer.insert(kept, current_version=self.version)
-            batch_trajectories = self.buffer.take()
-            learn_started = time.perf_counter()
-            metrics: dict[str, Any] = {}
-            if batch_trajectories:
-                order = self.rng.permutation(len(batch_trajectories))
-                for part in np.array_split(order, c.minibatches):
-                    if len(part) == 0:
-                        continue
-                    batch, _ = replay.pack([batch_trajectories[i] for i in part], self.config.learner.row_length,
-                                           row_multiple=self.row_multiple)
-                    state, metrics = step_fn(state, _to_device(batch, self.mesh))
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                self._push_weights(state.params)
-            lag = [int(self.version - 1 - v) for t in batch_trajectories for v in t.policy_version[t.loss_mask == 1]]
-            successes = [[_success(t) > 0 for t in g] for g in groups]
-            clusters = {g[0].task_id: [metrics_lib.solution_signature(_actions(t, self.tokenizer)) for t in g]
-                        for g in groups}
-            trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch_trajectories))
-            iteration_seconds = time.perf_counter() - started
-            record = {
-                **signal,
-                "success": float(np.mean([_success(t) for t in all_trajectories])),
-                f"pass@{r.group_size}": metrics_lib.mean_pass_at_k(successes, r.group_size),
-                "distinct_solutions": metrics_lib.distinct_solutions(clusters),
-                **{f"sampled_entropy/{env}": v for env, v in metrics_lib.entropy_by_env(all_trajectories).items()},
-                "trained_tokens": trained_tokens,
-                "effective_samples_per_second": len(batch_trajectories) / iteration_seconds,
-                "trained_tokens_per_second": trained_tokens / iteration_seconds,
-                "reward": float(np.mean([t.reward for t in all_trajectories])),
-                "trained_trajectories": len(batch_trajectories),
-                # Schedule position after this iteration (a resumed run must continue it exactly).
-                "version": self.version, "task_seed": self.task_seed, "learner_step": int(state.step),
-                "generated_tokens": int(sum(t.generated_tokens for t in all_trajectories)),
-                "policy_lag_max": max(lag) if lag else 0,
-                "sample_seconds": sample_seconds,
-                "learn_seconds": time.perf_counter() - learn_started,
-                "finish_reasons": dict(collections.Counter(t.finish_reason for t in all_trajectories)),
-                "replay_rejected": dict(self.buffer.rejected),
-                **{k: v for k, v in metrics.items() if k in ("loss", "entropy", "grad_norm", "masked_token_share",
-                                                              "drift/sampler_abs_diff_max", "drift/sampler_abs_diff_mean",
-                                                              "mirror_descent/clip_frac_low",
-                                                              "mirror_descent/clip_frac_high", "tis/weight_mean")},
-            }
-            self.writer.write("rl", iteration, record)
-            if iteration % self.config.checkpoint.every == 0 or iteration == c.iterations:
-                self._checkpoint("rl", iteration, state)
-            if iteration % self.config.eval.every == 0 or iteration == c.iterations:
-                self.writer.write("rl_eval", iteration, self.evaluate())
+        schedule = rollout.Schedule(mode=r.schedule, window=r.window, max_staleness=r.max_staleness,
+                                    stale_policy=r.stale_policy, token_budget=r.token_budget,
+                                    groups_in_flight=r.groups_in_flight)
+        self.runner = rollout.RolloutRunner(self.sampler, self._make_env, self.tokenizer, self.template,
+                                            self._episode_settings(r.temperature), r.group_size,
+                                            token_budget=schedule.token_budget, seed=self.config.seed)
+        if self.resume_meta is not None and self.resume_meta.get("pending"):
+            self.runner.restore_pending(self.resume_meta["pending"])
+        try:
+            for iteration in range(first_iteration, c.iterations + 1):
+                state = self._rl_iteration(iteration, schedule, state, step_fn)
+        finally:
+            self.runner.close()
+            self.runner = None
+
+    def _select_groups(self, schedule) -> list[int]:
+        """Submits groups as the schedule asks, waits for trainable ones, returns their indices."""
+        r, runner = self.config.rollout, self.runner
+        if schedule.mode == "sync":
+            # A barrier: top up to P open groups (partial rollouts carried over count), then wait
+            # until every episode has finished or spent this iteration's token budget.
+            missing = r.prompts_per_iteration - len(runner.unfinished()) - len(runner.finished())
+            runner.submit(self._tasks(max(missing, 0)))
+            runner.wait(runner.quiescent)
+            return runner.finished()
+        ahead = schedule.groups_in_flight or r.prompts_per_iteration
+        missing = r.prompts_per_iteration + ahead - len(runner.unfinished()) - len(runner.finished())
+        runner.submit(self._tasks(max(missing, 0)))
+
+        def selectable():
+            finished, unfinished = runner.finished_unlocked(), runner.unfinished_unlocked()
+            if schedule.mode == "windowed_fifo":
+                return rollout.windowed_fifo_selectable(finished, unfinished, schedule.window)
+            return finished
+
+        # Train as soon as a batch's worth of groups is trainable (or nothing more can finish).
+        runner.wait(lambda: len(selectable()) >= r.prompts_per_iteration or runner.quiescent())
+        with runner.lock:
+            return selectable()[: r.prompts_per_iteration]
+
+    def _rl_iteration(self, iteration: int, schedule, state, step_fn):
+        c, r = self.config.rl, self.config.rollout
+        started = time.perf_counter()
+        idle_before = self.sampler.stats.get("idle_seconds", 0.0) if hasattr(self.sampler, "stats") else 0.0
+        groups = self.runner.take(self._select_groups(schedule))
+        sample_seconds = time.perf_counter() - started
+        all_trajectories = [t for g in groups for t in g]
+        stale_dropped = 0
+        if schedule.mode == "async":
+            # The staleness bound, against the version these tokens will be trained at.
+            kept_groups = []
+            for g in groups:
+                kept = [rollout.apply_staleness(t, self.version, schedule.max_staleness, schedule.stale_policy)
+                        for t in g]
+                stale_dropped += sum(t is None for t in kept)
+                kept = [t for t in kept if t is not None]
+                if kept:
+                    kept_groups.append(kept)
+            groups = kept_groups
+        signal = rollout.assign_advantages(groups, normalize_std=r.normalize_std)
+        kept = [t for g in groups if not r.drop_zero_advantage_groups or any(t.advantage != 0 for t in g)
+                for t in g]
+        self.buffer.insert(kept, current_version=self.version)
+        batch_trajectories = self.buffer.take()
+        learn_started = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        trained_version = self.version
+        if batch_trajectories:
+            order = self.rng.permutation(len(batch_trajectories))
+            for part in np.array_split(order, c.minibatches):
+                if len(part) == 0:
+                    continue
+                batch, _ = replay.pack([batch_trajectories[i] for i in part], self.config.learner.row_length,
+                                       row_multiple=math.lcm(self.row_multiple, c.row_multiple))
+                state, metrics = step_fn(state, _to_device(batch, self.mesh))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            self._push_weights(state.params)
+        learn_seconds = time.perf_counter() - learn_started
+        self.runner.next_iteration()  # suspended partial rollouts resume, on the new weights
+        lag = np.concatenate([trained_version - t.policy_version[t.loss_mask == 1] for t in batch_trajectories]) \
+            if batch_trajectories else np.zeros(0)
+        successes = [[_success(t) > 0 for t in g] for g in groups]
+        clusters = {g[0].task_id: [metrics_lib.solution_signature(_actions(t, self.tokenizer)) for t in g]
+                    for g in groups}
+        trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch_trajectories))
+        iteration_seconds = time.perf_counter() - started
+        idle_after = self.sampler.stats.get("idle_seconds", 0.0) if hasattr(self.sampler, "stats") else 0.0
+        record = {
+            **signal,
+            "success": float(np.mean([_success(t) for t in all_trajectories])) if all_trajectories else 0.0,
+            f"pass@{r.group_size}": metrics_lib.mean_pass_at_k(
+                [s for s in successes if len(s) == r.group_size], r.group_size),
+            "distinct_solutions": metrics_lib.distinct_solutions(clusters),
+            **{f"sampled_entropy/{env}": v for env, v in metrics_lib.entropy_by_env(all_trajectories).items()},
+            "reward": float(np.mean([t.reward for t in all_trajectories])) if all_trajectories else 0.0,
+            "trained_trajectories": len(batch_trajectories),
+            "stale_dropped": stale_dropped,
+            # Schedule position after this iteration (a resumed run must continue it exactly).
+            "version": self.version, "task_seed": self.task_seed, "learner_step": int(state.step),
+            "generated_tokens": int(sum(t.generated_tokens for t in all_trajectories)),
+            "trained_tokens": trained_tokens,
+            "policy_lag_mean": float(lag.mean()) if lag.size else 0.0,
+            "policy_lag_max": int(lag.max()) if lag.size else 0,
+            "groups_pending": len(self.runner.unfinished()) + len(self.runner.finished()),
+            "suspended_episodes": self.runner.clock.suspended,
+            "sample_seconds": sample_seconds,  # the learner's idle time: waiting for rollouts
+            "learn_seconds": learn_seconds,
+            "sampler_idle_seconds": idle_after - idle_before,
+            "effective_samples_per_second": len(batch_trajectories) / iteration_seconds,
+            "trained_tokens_per_second": trained_tokens / iteration_seconds,
+            "finish_reasons": dict(collections.Counter(t.finish_reason for t in all_trajectories)),
+            "replay_rejected": dict(self.buffer.rejected),
+            **{k: v for k, v in metrics.items() if k in ("loss", "entropy", "grad_norm", "masked_token_share",
+                                                          "drift/sampler_abs_diff_max", "drift/sampler_abs_diff_mean",
+                                                          "mirror_descent/clip_frac_low",
+                                                          "mirror_descent/clip_frac_high", "tis/weight_mean")},
+        }
+        self.writer.write("rl", iteration, record)
+        if iteration % self.config.checkpoint.every == 0 or iteration == c.iterations:
+            self._checkpoint("rl", iteration, state)
+        if iteration % self.config.eval.every == 0 or iteration == c.iterations:
+            self.writer.write("rl_eval", iteration, self.evaluate())
+        return state
 
     def _restore_params_only(self, params_target):
         """Parameters from a post-SFT checkpoint (its optimizer state belongs to the SFT optimizer)."""

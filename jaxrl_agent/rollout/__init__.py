@@ -8,6 +8,7 @@ from jaxrl_agent.rollout.episode import (
     run_episode,
 )
 from jaxrl_agent.rollout.manager import assign_advantages, collect_groups
+from jaxrl_agent.rollout.scheduler import RolloutRunner, Schedule, apply_staleness, windowed_fifo_selectable
 
-__all__ = ["EpisodeSettings", "InProcessEnv", "ServiceEnv", "assign_advantages", "collect_groups",
-           "expert_trajectory", "run_episode"]
+__all__ = ["EpisodeSettings", "InProcessEnv", "RolloutRunner", "Schedule", "ServiceEnv", "apply_staleness",
+           "assign_advantages", "collect_groups", "expert_trajectory", "run_episode", "windowed_fifo_selectable"]

@@ -205,38 +205,53 @@ class RolloutRunner:
         return indices
 
     async def _run_group(self, group: _Group) -> None:
+        results: list[Trajectory | None] = [None] * self.group_size
+        done = [0]
+
         async def one(i):
             budget = EpisodeBudget(self.clock, iteration=self.clock.iteration)
+            trajectory, error = None, None
             try:
-                return await run_episode(
+                trajectory = await run_episode(
                     self.sampler, self.make_env(group.task), group.task, self.tokenizer, self.template,
                     self.settings, seed=self.seed + group.index * self.group_size + i,
                     group_id=f"g{group.index}", sample_index=i, budget=budget)
-            finally:
-                with self._changed:
-                    self._running -= 1
-                    self._changed.notify_all()
-
-        try:
-            trajectories = await asyncio.gather(*(one(i) for i in range(self.group_size)))
-        except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
+            except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
+                error = err
+            # The last episode of a group records the group in the same step that stops counting
+            # it as running, so `quiescent()` never sees a finished but unrecorded group.
             with self._changed:
-                self._errors.append(err)
+                results[i] = trajectory
+                done[0] += 1
+                self._running -= 1
+                if error is not None:
+                    self._errors.append(error)
+                if done[0] == self.group_size and all(t is not None for t in results):
+                    group.trajectories = list(results)
+                    group.finished_at = time.perf_counter()
                 self._changed.notify_all()
-            return
-        with self._changed:
-            group.trajectories = list(trajectories)
-            group.finished_at = time.perf_counter()
-            self._changed.notify_all()
+
+        await asyncio.gather(*(one(i) for i in range(self.group_size)))
 
     # ------------------------------------------------------------------ state (learner thread)
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def finished_unlocked(self) -> list[int]:
+        """Finished group indices; the caller holds `lock` (e.g. inside a `wait` predicate)."""
+        return sorted(i for i, g in self._groups.items() if g.trajectories is not None)
+
+    def unfinished_unlocked(self) -> list[int]:
+        return sorted(i for i, g in self._groups.items() if g.trajectories is None)
+
     def finished(self) -> list[int]:
         with self._lock:
-            return sorted(i for i, g in self._groups.items() if g.trajectories is not None)
+            return self.finished_unlocked()
 
     def unfinished(self) -> list[int]:
         with self._lock:
-            return sorted(i for i, g in self._groups.items() if g.trajectories is None)
+            return self.unfinished_unlocked()
 
     def running_episodes(self) -> int:
         with self._lock:
@@ -264,6 +279,34 @@ class RolloutRunner:
         with self._lock:
             groups = [self._groups.pop(i) for i in indices]
         return [g.trajectories for g in groups]
+
+    def pending_state(self) -> dict:
+        """Groups not yet trained, for a checkpoint: finished ones with their trajectories, and the
+        tasks of unfinished ones (their episodes restart from the task on resume), in submission order."""
+        with self._lock:
+            return {"next_index": self._next_index,
+                    "groups": [{"index": g.index, "task": g.task.to_dict(),
+                                "trajectories": None if g.trajectories is None else
+                                [t.to_dict() for t in g.trajectories]}
+                               for g in sorted(self._groups.values(), key=lambda g: g.index)]}
+
+    def restore_pending(self, state: dict) -> None:
+        """Re-creates checkpointed groups under their original submission indices."""
+        to_run = []
+        with self._lock:
+            for entry in state["groups"]:
+                group = _Group(int(entry["index"]), env_api.Task.from_dict(entry["task"]),
+                               submitted_at=time.perf_counter())
+                if entry["trajectories"] is not None:
+                    group.trajectories = [Trajectory.from_dict(d) for d in entry["trajectories"]]
+                    group.finished_at = group.submitted_at
+                else:
+                    self._running += self.group_size
+                    to_run.append(group)
+                self._groups[group.index] = group
+            self._next_index = max(self._next_index, int(state["next_index"]))
+        for group in to_run:
+            asyncio.run_coroutine_threadsafe(self._run_group(group), self.loop)
 
     def next_iteration(self) -> None:
         """Refills every episode's token budget: suspended partial rollouts resume."""

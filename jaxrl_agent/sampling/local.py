@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
+import time
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -117,7 +118,8 @@ class LocalSampler:
         self._pending: collections.deque[_Request] = collections.deque()
         self._wake = threading.Condition()
         self._stopped = False
-        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0}
+        # idle_seconds: time the decode loop had no request at all (the sampler's idle time).
+        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0}
         self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
         self._thread.start()
 
@@ -162,8 +164,10 @@ class LocalSampler:
         free = list(range(engine.max_concurrent_decodes))
         while True:
             with self._wake:
+                idle_since = time.perf_counter()
                 while not self._stopped and not slots and not self._pending:
                     self._wake.wait()
+                self.stats["idle_seconds"] += time.perf_counter() - idle_since
                 if self._stopped:
                     for request in list(slots.values()) + list(self._pending):
                         request.future.set_exception(RuntimeError("the sampler was closed"))
