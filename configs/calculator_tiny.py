@@ -18,6 +18,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0  # PRNG seed for parameter init and everything downstream.
     config.workdir = "runs/calculator_tiny"  # Where checkpoints and metrics go.
     config.resume = False  # Continue from the latest checkpoint in workdir/checkpoints.
+    # JAX's persistent compilation cache for the launcher ('' = off): later runs skip compiling.
+    config.compilation_cache_dir = "~/.cache/jaxrl_agent/xla"
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.kind = "char"  # 'char' (built in, no files) or 'hf' (a tokenizer.json).
@@ -61,8 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.sampler = ml_collections.ConfigDict()
     config.sampler.max_concurrent_decodes = 64  # KV-cache slots (requests decoded together).
-    config.sampler.max_prefill_length = 256  # Longest prompt in tokens (power of two); longer ones are rejected.
-    config.sampler.max_cache_length = 512  # Tokens per slot: prompt + generation.
+    config.sampler.max_prefill_length = 128  # Longest prompt in tokens (power of two); longer ones are rejected.
+    config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
 

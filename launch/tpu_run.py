@@ -8,6 +8,8 @@ passing --distributed).
 """
 
 
+import os
+
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -27,6 +29,13 @@ def main(argv):
 
     if _DISTRIBUTED.value or _COORDINATOR.value:
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    # Quiet orbax / absl INFO chatter: the run's own progress lines are printed to stdout.
+    logging.set_verbosity(logging.WARNING)
+    cache_dir = _CONFIG.value.compilation_cache_dir
+    if cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        # JAX's persistent compilation cache: a second run (or a resume) skips recompiling.
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if _MODE.value == "smoke":
         from jaxrl_agent import build
 

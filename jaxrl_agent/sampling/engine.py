@@ -36,6 +36,9 @@ from jaxrl_agent.sampling.jetstream_compat import import_jetstream
 
 engine_api, _, _, _, token_utils = import_jetstream()
 
+# Batched prefills pad their row count to a power of two at least this (fewer compiled shapes).
+MIN_PREFILL_ROWS = 8
+MIN_BATCHED_PREFILL_BUCKET = 32
 MIN_PREFILL_BUCKET = 16
 
 
@@ -181,6 +184,8 @@ class AgentEngine(engine_api.Engine):
         self._seed = seed
         self._prefill_fn = jax.jit(functools.partial(_prefill, config))
         self._insert_fn = jax.jit(_insert, donate_argnums=(1,))
+        self._free_fn = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask), donate_argnums=(0,))
+        self._prefill_insert_fn = jax.jit(functools.partial(_prefill_insert_many, config, seed), donate_argnums=(1,))
         self._generate_fn = jax.jit(
             functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
             donate_argnums=(1,))
@@ -234,6 +239,39 @@ class AgentEngine(engine_api.Engine):
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_fn(prefix, decode_state, jnp.int32(slot))
 
+    def prefill_insert_many(self, prompts: Sequence[np.ndarray], samplings: Sequence[SamplingParams],
+                            decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Prefills several prompts in one batched call and inserts them into `slots`.
+
+        Equivalent to `insert(prefill(...), state, slot)` per prompt (same tokens, log-probs and
+        cache contents), but one forward pass for all: with hundreds of short requests, per-request
+        prefill dominated the sampler's time on CPU. The batch is padded to a power-of-two count of
+        rows (at least 8; padded rows are dropped) and of tokens (at least 32), so that few shapes
+        are ever compiled.
+        """
+        n = len(prompts)
+        if not n == len(samplings) == len(slots):
+            raise ValueError(f"{n} prompts, {len(samplings)} sampling params and {len(slots)} slots differ")
+        lengths = [int(np.asarray(p).size) for p in prompts]
+        bucket = max(self.bucket_length(max(lengths)), min(MIN_BATCHED_PREFILL_BUCKET, self._max_prefill))
+        # Power-of-two row counts (each distinct shape costs one compilation; padding rows cost compute).
+        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
+        tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :lengths[i]] = np.asarray(p, np.int32).reshape(-1)
+        pad = rows - n
+        true_lengths = np.asarray(lengths + [1] * pad, np.int32)
+        slot_ids = np.asarray(list(slots) + [self._slots] * pad, np.int32)  # out of range: dropped
+        temperature = np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)
+        top_k = np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)
+        top_p = np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)
+        params, version = self.current_params()
+        counts = np.arange(self._prefill_count + 1, self._prefill_count + rows + 1, dtype=np.uint32)
+        self._prefill_count += n
+        return self._prefill_insert_fn(params, decode_state, jnp.asarray(tokens), jnp.asarray(true_lengths),
+                                       jnp.asarray(counts), jnp.asarray(temperature), jnp.asarray(top_k),
+                                       jnp.asarray(top_p), jnp.int32(version), jnp.asarray(slot_ids))
+
     def generate(self, params, decode_state: DecodeState):
         del params
         params, version = self.current_params()
@@ -246,6 +284,12 @@ class AgentEngine(engine_api.Engine):
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stops a slot (its request completed on the host side, e.g. at max_tokens)."""
         return decode_state.replace(active=decode_state.active.at[slot].set(False))
+
+    def free_slots(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Stops several slots in one call (a boolean mask, so one compiled shape)."""
+        mask = np.zeros(self._slots, bool)
+        mask[list(slots)] = True
+        return self._free_fn(decode_state, jnp.asarray(mask))
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         b = self._slots
@@ -298,6 +342,39 @@ def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p
     token, logprob = decoding.sample_tokens(last, rng, temperature[None], top_k[None], top_p[None])
     return Prefix(k=cache.k, v=cache.v, true_length=true_length, first_token=token[0], first_logprob=logprob[0],
                   version=version, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _prefill_insert_many(config, seed, params, state: DecodeState, tokens, true_lengths, counts, temperature,
+                         top_k, top_p, version, slots) -> DecodeState:
+    """tokens [N, P] right-padded, true_lengths [N], counts [N] (per-row RNG stream), slots [N]
+    (an index >= B drops the row). Same sampling per row as `_prefill` with that row's key."""
+    n, p = tokens.shape
+    cache = models.init_cache(config, n, p)
+    logits, cache = models.prefill(config, params, tokens, cache)
+    last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [N, V]
+    base = jax.random.PRNGKey(seed)
+    keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
+    token, logprob = jax.vmap(lambda lg, key, t, k, pp: decoding.sample_tokens(lg[None], key, t[None], k[None],
+                                                                                  pp[None]))(
+        last, keys, temperature, top_k, top_p)
+    token, logprob = token[:, 0], logprob[:, 0]
+
+    def put(caches, rows):  # per layer: cache [B, K, S, D], rows [N, K, P, D] -> slots' first P positions
+        return tuple(c.at[slots, :, :p, :].set(r.astype(c.dtype), mode="drop") for c, r in zip(caches, rows))
+
+    at = lambda array, value: array.at[slots].set(value, mode="drop")
+    return state.replace(
+        cache=models.KVCache(put(state.cache.k, cache.k), put(state.cache.v, cache.v)),
+        next_token=at(state.next_token, token),
+        next_logprob=at(state.next_logprob, logprob),
+        next_version=at(state.next_version, jnp.broadcast_to(version, (n,))),
+        position=at(state.position, true_lengths),
+        generated=at(state.generated, jnp.zeros((n,), jnp.int32)),
+        active=at(state.active, jnp.ones((n,), bool)),
+        temperature=at(state.temperature, temperature),
+        top_k=at(state.top_k, top_k),
+        top_p=at(state.top_p, top_p),
+    )
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:

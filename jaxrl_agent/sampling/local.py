@@ -175,6 +175,15 @@ class LocalSampler:
                 admitted = []
                 while free and self._pending:
                     admitted.append((free.pop(), self._pending.popleft()))
+            if admitted:
+                try:  # one batched prefill for everything admitted now
+                    state = engine.prefill_insert_many([r.prompt for _, r in admitted],
+                                                       [r.sampling for _, r in admitted], state,
+                                                       [slot for slot, _ in admitted])
+                    slots.update(admitted)
+                    admitted = []
+                except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
+                    pass
             for slot, request in admitted:
                 try:
                     prefix = engine.prefill(padded_tokens=request.prompt, true_length=len(request.prompt),
@@ -197,13 +206,17 @@ class LocalSampler:
                 state = engine.init_decode_state()
                 continue
             self.stats["generate_calls"] += 1
+            finished = []
             for slot in list(slots):
                 request = slots[slot]
                 tokens, _, _ = request.builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
                 self.stats["tokens"] += len(tokens)
                 if request.builder.finish_reason is not None:
-                    state = engine.free_slot(state, slot)
-                    del slots[slot]
-                    free.append(slot)
-                    self.stats["requests"] += 1
-                    request.future.set_result(request.builder.completion())
+                    finished.append(slot)
+            if finished:
+                state = engine.free_slots(state, finished)
+            for slot in finished:
+                request = slots.pop(slot)
+                free.append(slot)
+                self.stats["requests"] += 1
+                request.future.set_result(request.builder.completion())

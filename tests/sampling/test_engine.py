@@ -159,3 +159,23 @@ def test_sampling_params_validation():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="power of two"):
         _engine(max_prefill_length=48)
+
+
+def test_batched_prefill_insert_equals_one_by_one():
+    prompts = [np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS[:3]]
+    samplings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_k=5)]
+    slots = [2, 0, 3]
+    one = _engine(seed=7)
+    state = one.init_decode_state()
+    for prompt, sampling, slot in zip(prompts, samplings, slots):
+        state = one.insert(one.prefill(padded_tokens=prompt, true_length=len(prompt), sampling=sampling), state, slot)
+    many = _engine(seed=7)
+    batched = many.prefill_insert_many(prompts, samplings, many.init_decode_state(), slots)
+    for field in ("next_token", "next_logprob", "position", "active", "temperature", "top_k", "top_p"):
+        np.testing.assert_allclose(np.asarray(getattr(batched, field)), np.asarray(getattr(state, field)),
+                                   atol=1e-5, err_msg=field)
+    for a, b in zip(batched.cache.k + batched.cache.v, state.cache.k + state.cache.v):
+        for prompt, slot in zip(prompts, slots):  # beyond a prompt, slots hold masked padding
+            np.testing.assert_allclose(np.asarray(a)[slot, :, :len(prompt)], np.asarray(b)[slot, :, :len(prompt)],
+                                       atol=1e-5)
+    assert not bool(batched.active[1])  # untouched slot (and the dropped padding row) stay free
