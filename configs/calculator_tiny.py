@@ -67,11 +67,18 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
+    # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
+    # this host, fed new weights over gRPC after every update.
+    config.sampler.num_servers = 0
 
     config.env = ml_collections.ConfigDict()
     config.env.name = "calculator"  # Environment (see jaxrl_agent.envs.registered()).
     config.env.train_difficulties = "1,2,3"  # Levels RL samples tasks from (comma-separated).
     config.env.eval_difficulties = "1,2,3,4"  # Levels evaluated on held-out seeds (4 is never trained).
+    config.env.step_threads = 64  # Threads running environment steps (blocking tools wait there).
+    # Simulated tool latency (benchmarks): median seconds per tool call, Pareto tail (0 = none).
+    config.env.tool_latency_s = 0.0
+    config.env.tool_latency_alpha = 1.2  # Pareto tail index of that latency (smaller = heavier tail).
 
     config.rollout = ml_collections.ConfigDict()
     config.rollout.prompts_per_iteration = 64  # Tasks per RL iteration (background/learning-notes.md: 64 x 4).

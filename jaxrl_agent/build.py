@@ -91,3 +91,64 @@ def smoke_forward(config) -> dict:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class SamplerServers:
+    """`n` JetStream sampler server processes (`launch/sampler_server.py`) on this host, serving the
+    run's exact config, and a client over all of them.
+
+    The config (with its command-line overrides) is written to `<workdir>/sampler_config.py`, a
+    config file that rebuilds it from JSON, and each server loads it. Servers start from the same
+    random init as the trainer; the trainer pushes its weights before the first sample.
+    """
+
+    def __init__(self, config, n: int, workdir: str, startup_timeout_s: float = 300.0):
+        import json
+        import subprocess
+        import sys
+
+        from jaxrl_agent.sampling.client import BackgroundSamplerClient
+
+        os.makedirs(workdir, exist_ok=True)
+        config_path = os.path.join(os.path.abspath(workdir), "sampler_config.py")
+        with open(config_path, "w") as f:
+            f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
+                    "import json\n\nimport ml_collections\n\n\ndef get_config():\n"
+                    f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
+        launcher = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
+                                "sampler_server.py")
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu") \
+            if jax.default_backend() == "cpu" else dict(os.environ)
+        self.processes = [subprocess.Popen([sys.executable, launcher, "--config", config_path, "--port", "0"],
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                          for _ in range(n)]
+        addresses = []
+        deadline = time.monotonic() + startup_timeout_s
+        for process in self.processes:
+            for line in process.stdout:
+                if line.startswith("sampler server listening on "):
+                    addresses.append(line.split()[-1])
+                    break
+                if time.monotonic() > deadline:
+                    break
+            else:
+                self.close()
+                raise RuntimeError(f"sampler server {process.args} exited with {process.poll()} before serving")
+        if len(addresses) != n:
+            self.close()
+            raise RuntimeError(f"only {len(addresses)} of {n} sampler servers started within {startup_timeout_s}s")
+        self.addresses = addresses
+        self.client = BackgroundSamplerClient(addresses)
+
+    def close(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - a stuck server is killed
+                process.kill()

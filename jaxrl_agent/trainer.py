@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import json
 import math
 import os
@@ -165,6 +166,8 @@ class Trainer:
         self.row_multiple = math.lcm(config.learner.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         self.model_config, params = build.build_model(config, self.mesh)
         self.env = envs.make(config.env.name)
+        # Environment steps run on these threads (a slow tool must not stall the event loop).
+        self.env_threads = concurrent.futures.ThreadPoolExecutor(config.env.step_threads, "env-step")
         self.expert = envs.expert_policy(config.env.name)
         self.train_difficulties = _difficulties(config.env.train_difficulties)
         self.sft_difficulties = _difficulties(config.sft.difficulties or config.env.train_difficulties)
@@ -172,8 +175,15 @@ class Trainer:
         if config.rollout.max_context > config.learner.row_length:
             raise ValueError(f"rollout.max_context={config.rollout.max_context} exceeds learner.row_length="
                              f"{config.learner.row_length}: episodes that long could never be trained on")
-        self.engine = build.build_engine(config, self.model_config, params, self.tokenizer)
-        self.sampler = LocalSampler(self.engine)
+        self.servers = None
+        if config.sampler.num_servers > 0:
+            # JetStream server processes; the learner pushes weights to them over gRPC.
+            self.servers = build.SamplerServers(config, config.sampler.num_servers, workdir)
+            self.sampler = self.servers.client
+            self.sampler.update_weights(params, 0)
+        else:
+            self.engine = build.build_engine(config, self.model_config, params, self.tokenizer)
+            self.sampler = LocalSampler(self.engine)
         self.buffer = replay.ReplayBuffer(vocab_size=self.model_config.vocab_size,
                                           max_length=config.learner.row_length)
         self.rng = np.random.RandomState(config.seed)
@@ -202,7 +212,12 @@ class Trainer:
             max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns)
 
     def _make_env(self, task):
-        return rollout.InProcessEnv(envs.make(self.config.env.name))
+        env = envs.make(self.config.env.name)
+        if self.config.env.tool_latency_s > 0:
+            from jaxrl_agent.envs.testing import ToolLatency
+
+            env = ToolLatency(env, self.config.env.tool_latency_s, alpha=self.config.env.tool_latency_alpha)
+        return rollout.InProcessEnv(env, executor=self.env_threads)
 
     def _meta(self, stage: str, iteration: int) -> dict:
         kind, keys, pos, has_gauss, cached = self.rng.get_state()
@@ -468,7 +483,11 @@ class Trainer:
         return jax.tree.map(lambda target, value: jnp.asarray(value, target.dtype), params_target, restored["params"])
 
     def close(self) -> None:
-        self.sampler.close()
+        self.env_threads.shutdown(wait=False, cancel_futures=True)
+        if self.servers is not None:
+            self.servers.close()
+        else:
+            self.sampler.close()
         self.checkpointer.close()
         self.writer.close()
 

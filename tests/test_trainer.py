@@ -95,3 +95,23 @@ def test_resume_continues_the_same_schedule(tmp_path):
     rl3 = next(r for r in records if r["stage"] == "rl")
     assert rl3["policy_lag_max"] == 0 and rl3["drift/sampler_abs_diff_max"] < 0.05
     assert saved_version["trained_trajectories"] == 6
+
+
+def test_rl_with_two_jetstream_sampler_server_processes(tmp_path):
+    """The loop with `sampler.num_servers=2`: episodes sampled by two JetStream server processes,
+    weights pushed over gRPC after every update, log-probs matching the learner's."""
+    config = tiny_config(tmp_path)
+    config.sampler.num_servers = 2
+    config.sft.steps = 2
+    config.eval.pass_k = 0
+    config.metrics.tensorboard = False
+    path = trainer.train_and_evaluate(config, quiet=True)
+    records = [json.loads(line) for line in open(path)]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    for record in rl:
+        assert record["trained_trajectories"] == 6 and record["generated_tokens"] > 0
+        # Every trained token was sampled by the weights just pushed to the servers.
+        assert record["policy_lag_max"] == 0
+        assert record["drift/sampler_abs_diff_max"] < 0.05
+    assert (tmp_path / "sampler_config.py").exists()

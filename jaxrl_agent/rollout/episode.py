@@ -32,15 +32,21 @@ class EpisodeEnv(Protocol):
 
 
 class InProcessEnv:
-    def __init__(self, env: env_api.Environment):
+    """An environment object in this process. With an `executor`, steps run on its threads, so a
+    step that blocks (a slow tool) does not stall the other episodes on the event loop."""
+
+    def __init__(self, env: env_api.Environment, executor=None):
         self.env = env
+        self.executor = executor
 
     async def reset(self, task, seed):
         return self.env.reset(task, seed)
 
     async def step(self, action):
         try:
-            return self.env.step(action)
+            if self.executor is None:
+                return self.env.step(action)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self.env.step, action)
         except Exception as err:  # noqa: BLE001 - an environment bug ends the episode, recorded
             return env_api.Step(env_api.Observation(""), 0.0, True,
                                 {"finish_reason": "env_error", "success": False, "error": repr(err)})

@@ -107,3 +107,45 @@ class SamplerClient:
     async def close(self) -> None:
         for server in self._servers:
             await server.channel.close()
+
+
+class BackgroundSamplerClient:
+    """A `SamplerClient` on its own event-loop thread, usable from any thread or event loop.
+
+    gRPC's asyncio channels belong to the loop that created them; the trainer samples from the
+    rollout runner's loop and evaluates from others, so the client lives on a loop of its own and
+    every call is handed to it. Same interface as `LocalSampler`: `await generate(...)`,
+    `update_weights(params, version)` (blocking until every server has the new weights), `close()`.
+    """
+
+    def __init__(self, addresses: Sequence[str], **kwargs):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sampler-client", daemon=True)
+        self._thread.start()
+
+        async def make():
+            return SamplerClient(addresses, **kwargs)
+
+        self.client = self._run(make())
+        self.stats = self.client.stats
+
+    def _run(self, coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Completion:
+        future = asyncio.run_coroutine_threadsafe(self.client.generate(prompt_ids, sampling), self.loop)
+        return await asyncio.wrap_future(future)
+
+    def update_weights(self, params, version: int) -> None:
+        failures = self._run(self.client.update_weights(params, version))
+        if len(failures) == len(self.client._servers):
+            raise SamplerUnavailableError(f"no sampler server took weights version {version}: {failures}")
+
+    def close(self) -> None:
+        try:
+            self._run(self.client.close(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
