@@ -114,6 +114,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl = ml_collections.ConfigDict()
     config.rl.iterations = 20  # Sample -> learn iterations.
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
+    config.rl.stop_after_trained_tokens = 0  # End RL once this many tokens were trained (0 = run all iterations).
     config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.

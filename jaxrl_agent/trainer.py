@@ -191,6 +191,7 @@ class Trainer:
         self.version = 0
         self.task_seed = 0
         self.sft_skipped = 0
+        self.trained_tokens_total = 0
         self.runner = None
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
@@ -222,6 +223,7 @@ class Trainer:
     def _meta(self, stage: str, iteration: int) -> dict:
         kind, keys, pos, has_gauss, cached = self.rng.get_state()
         return {"stage": stage, "iteration": iteration, "version": self.version, "task_seed": self.task_seed,
+                "trained_tokens_total": self.trained_tokens_total,
                 "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
                 "replay": self.buffer.state_dict(),
                 "pending": self.runner.pending_state() if self.runner is not None else None}
@@ -229,6 +231,7 @@ class Trainer:
     def _load_meta(self, meta: dict) -> None:
         self.version = int(meta["version"])
         self.task_seed = int(meta["task_seed"])
+        self.trained_tokens_total = int(meta.get("trained_tokens_total", 0))
         kind, keys, pos, has_gauss, cached = meta["rng"]
         self.rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, cached))
         self.buffer.load_state_dict(meta["replay"])
@@ -360,6 +363,11 @@ class Trainer:
         try:
             for iteration in range(first_iteration, c.iterations + 1):
                 state = self._rl_iteration(iteration, schedule, state, step_fn)
+                if c.stop_after_trained_tokens and self.trained_tokens_total >= c.stop_after_trained_tokens:
+                    if iteration % self.config.eval.every != 0:  # end as a finished run does
+                        self._checkpoint("rl", iteration, state)
+                        self.writer.write("rl_eval", iteration, self.evaluate())
+                    break
         finally:
             self.runner.close()
             self.runner = None
@@ -427,6 +435,7 @@ class Trainer:
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             self._push_weights(state.params)
         learn_seconds = time.perf_counter() - learn_started
+        suspended = self.runner.clock.suspended  # episodes that spent this iteration's token budget
         self.runner.next_iteration()  # suspended partial rollouts resume, on the new weights
         lag = np.concatenate([trained_version - t.policy_version[t.loss_mask == 1] for t in batch_trajectories]) \
             if batch_trajectories else np.zeros(0)
@@ -434,6 +443,7 @@ class Trainer:
         clusters = {g[0].task_id: [metrics_lib.solution_signature(_actions(t, self.tokenizer)) for t in g]
                     for g in groups}
         trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch_trajectories))
+        self.trained_tokens_total += trained_tokens
         iteration_seconds = time.perf_counter() - started
         idle_after = self.sampler.stats.get("idle_seconds", 0.0) if hasattr(self.sampler, "stats") else 0.0
         record = {
@@ -450,10 +460,11 @@ class Trainer:
             "version": self.version, "task_seed": self.task_seed, "learner_step": int(state.step),
             "generated_tokens": int(sum(t.generated_tokens for t in all_trajectories)),
             "trained_tokens": trained_tokens,
+            "trained_tokens_total": self.trained_tokens_total,
             "policy_lag_mean": float(lag.mean()) if lag.size else 0.0,
             "policy_lag_max": int(lag.max()) if lag.size else 0,
             "groups_pending": len(self.runner.unfinished()) + len(self.runner.finished()),
-            "suspended_episodes": self.runner.clock.suspended,
+            "suspended_episodes": suspended,
             "sample_seconds": sample_seconds,  # the learner's idle time: waiting for rollouts
             "learn_seconds": learn_seconds,
             "sampler_idle_seconds": idle_after - idle_before,

@@ -115,3 +115,32 @@ def test_rl_with_two_jetstream_sampler_server_processes(tmp_path):
         assert record["policy_lag_max"] == 0
         assert record["drift/sampler_abs_diff_max"] < 0.05
     assert (tmp_path / "sampler_config.py").exists()
+
+
+@pytest.mark.parametrize("schedule,extra", [
+    ("windowed_fifo", {"rollout.window": 2}),
+    ("async", {"rollout.max_staleness": 0, "rollout.stale_policy": "mask"}),
+])
+def test_asynchronous_schedules_with_partial_rollouts(tmp_path, schedule, extra):
+    config = tiny_config(tmp_path)
+    config.rollout.schedule = schedule
+    config.rollout.token_budget = 8  # episodes need several iterations: partial rollouts
+    config.rollout.max_tokens_per_turn = 12  # and at most 3 of them (2 turns of <= 12 tokens)
+    config.rollout.max_turns = 2
+    config.rl.iterations = 4
+    config.sft.steps = 1
+    config.eval.every = 100
+    config.eval.pass_k = 0
+    config.metrics.tensorboard = False
+    for key, value in extra.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    path = trainer.train_and_evaluate(config, quiet=True)
+    rl = [json.loads(line) for line in open(path) if '"stage": "rl"' in line]
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]
+    assert sum(r["trained_trajectories"] for r in rl) > 0
+    assert max(r["suspended_episodes"] for r in rl) > 0  # budgets cut episodes
+    if schedule == "async":
+        assert all(r["policy_lag_max"] == 0 for r in rl)  # S = 0, stale tokens masked
+    else:
+        assert max(r["policy_lag_max"] for r in rl) >= 1  # resumed episodes carry older tokens

@@ -202,7 +202,9 @@ class AgentEngine(engine_api.Engine):
 
     def update_weights(self, params, version: int) -> None:
         """New weights for every call from now on; tokens they sample carry `version`."""
-        params = jax.tree.map(lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
+        # The engine keeps its own copy: the learner donates its parameter buffers to the next
+        # train step, which may run while this engine is still sampling (asynchronous schedules).
+        params = jax.tree.map(lambda new, old: jax.device_put(jnp.array(new, old.dtype, copy=True), old.sharding),
                               params, self._params)
         with self._lock:
             self._params, self._version = params, int(version)
