@@ -99,7 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.groups_in_flight = 0  # Non-sync: groups submitted ahead of the learner (0 = prompts_per_iteration).
 
     config.sft = ml_collections.ConfigDict()
-    config.sft.steps = 300  # Cold-start updates on scripted-expert trajectories (0 = none).
+    config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).
     config.sft.batch_size = 64  # Fresh expert episodes per update (~0.9 s per update on 2 cores).
     config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
@@ -112,7 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.sft.eval_every = 0  # Held-out evaluation every N SFT updates (0 = only after SFT).
 
     config.rl = ml_collections.ConfigDict()
-    config.rl.iterations = 20  # Sample -> learn iterations.
+    config.rl.iterations = 100  # Sample -> learn iterations (~5 s each on 2 cores).
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
     config.rl.stop_after_trained_tokens = 0  # End RL once this many tokens were trained (0 = run all iterations).
     config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
@@ -129,8 +129,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
 
     config.eval = ml_collections.ConfigDict()
-    config.eval.every = 5  # Evaluate every N RL iterations (and after SFT, and at the end).
-    config.eval.tasks_per_difficulty = 32  # Held-out tasks per difficulty, greedy pass@1.
+    config.eval.every = 20  # Evaluate every N RL iterations (and after SFT, and at the end).
+    config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
     config.eval.pass_k = 0  # Also k samples per task at rollout.temperature for pass@k (0 = greedy only).
 
     config.metrics = ml_collections.ConfigDict()
