@@ -29,3 +29,7 @@ def test_notebook_runs(path):
     if path.endswith("01_model_and_losses.ipynb"):
         assert float(np.max(np.abs(namespace["logits"] - namespace["full"]))) < 1e-5
         assert np.isfinite(float(namespace["loss"]))
+    if path.endswith("02_rl_loop.ipynb"):
+        stages = [r["stage"] for r in namespace["records"]]
+        assert stages.count("rl") == 3 and "rl_eval" in stages
+        assert pathlib.Path(namespace["png"]).exists()
