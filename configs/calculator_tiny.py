@@ -133,6 +133,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
     config.eval.pass_k = 0  # Also k samples per task at rollout.temperature for pass@k (0 = greedy only).
 
+    config.exploration = ml_collections.ConfigDict()
+    # Warn (and log guard/* = 1) when the mean sampled-token entropy of an environment falls below
+    # this many nats, or tasks average fewer distinct solutions (tool-call sequences) than this.
+    config.exploration.entropy_floor = 0.01
+    config.exploration.distinct_solutions_floor = 0.0  # (off: a calculator task has one right call)
+
     config.metrics = ml_collections.ConfigDict()
     config.metrics.tensorboard = True  # Also write TensorBoard scalars to workdir/tensorboard.
 

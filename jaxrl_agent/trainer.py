@@ -372,6 +372,21 @@ class Trainer:
             self.runner.close()
             self.runner = None
 
+    def _exploration_guards(self, record: dict) -> dict:
+        """Flags exploration collapse: sampled-token entropy or distinct solutions per task below
+        the configured floors (`exploration.*`); a console warning and `guard/*` = 1 in the record."""
+        c = self.config.exploration
+        flags = {}
+        entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
+        if entropies and min(entropies) < c.entropy_floor:
+            flags["guard/entropy_collapse"] = 1.0
+        if record["groups"] and record["distinct_solutions"] < c.distinct_solutions_floor:
+            flags["guard/solution_collapse"] = 1.0
+        for name in flags:
+            print(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
+                  f"solutions per task {record['distinct_solutions']:.2f})", flush=True)
+        return flags
+
     def _select_groups(self, schedule) -> list[int]:
         """Submits groups as the schedule asks, waits for trainable ones, returns their indices."""
         r, runner = self.config.rollout, self.runner
@@ -477,6 +492,7 @@ class Trainer:
                                                           "mirror_descent/clip_frac_low",
                                                           "mirror_descent/clip_frac_high", "tis/weight_mean")},
         }
+        record.update(self._exploration_guards(record))
         self.writer.write("rl", iteration, record)
         if iteration % self.config.checkpoint.every == 0 or iteration == c.iterations:
             self._checkpoint("rl", iteration, state)

@@ -35,7 +35,9 @@ def tiny_config(workdir):
 
 
 def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
-    path = trainer.train_and_evaluate(tiny_config(tmp_path), quiet=True)
+    config = tiny_config(tmp_path)
+    config.exploration.distinct_solutions_floor = 100.0  # always "collapsed": the guard must fire
+    path = trainer.train_and_evaluate(config, quiet=True)
     records = [json.loads(line) for line in open(path)]
     stages = [r["stage"] for r in records]
     assert stages[:2] == ["start", "initial_eval"]
@@ -56,6 +58,7 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
         assert record["pass@2"] >= record["success"] - 1e-9
         assert 1.0 <= record["distinct_solutions"] <= 2.0
         assert record["sampled_entropy/calculator"] > 0 and record["trained_tokens"] > 0
+        assert record["guard/solution_collapse"] == 1.0 and "guard/entropy_collapse" not in record
     # Demonstrations only from sft.difficulties; RL tasks from env.train_difficulties.
     sft_eval = next(r for r in records if r["stage"] == "sft_eval")
     assert sft_eval["step"] == 3
