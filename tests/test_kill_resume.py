@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.test_trainer import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,6 +53,7 @@ def _records(workdir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_the_same_schedule(tmp_path):
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     reference = _launch(_flags(reference_dir))

@@ -100,6 +100,7 @@ def test_resume_continues_the_same_schedule(tmp_path):
     assert saved_version["trained_trajectories"] == 6
 
 
+@pytest.mark.slow
 def test_rl_with_two_jetstream_sampler_server_processes(tmp_path):
     """The loop with `sampler.num_servers=2`: episodes sampled by two JetStream server processes,
     weights pushed over gRPC after every update, log-probs matching the learner's."""
