@@ -36,6 +36,8 @@ def main():
     model = qwen3.Qwen3(config, rngs=nnx.Rngs(params=0))
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6)), wrt=nnx.Param)
     algo = grpo_learner.GRPOConfig(num_generations=4, beta=0.04, epsilon=0.2)
+    if not hasattr(algo, "temperature"):  # read by grpo_loss_fn in google-tunix 0.1.7, absent from its config
+        object.__setattr__(algo, "temperature", 1.0)
     rng = np.random.RandomState(0)
     b, p, c = args.batch, args.prompt, args.completion
     example = common.TrainExample(

@@ -148,3 +148,38 @@ def test_asynchronous_schedules_with_partial_rollouts(tmp_path, schedule, extra)
         assert all(r["policy_lag_max"] == 0 for r in rl)  # S = 0, stale tokens masked
     else:
         assert max(r["policy_lag_max"] for r in rl) >= 1  # resumed episodes carry older tokens
+
+
+@pytest.mark.slow
+def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
+    """configs/qwen3_0_6b_agentic.py with a tiny random Qwen3 saved as a Hugging Face folder (config.json,
+    safetensors, tokenizer.json): HF tokenizer, ChatML turns, system prompt, SFT then RL, a few steps."""
+    import jax
+
+    from jaxrl_agent import models
+    from tests import hf_reference
+
+    checkpoint = tmp_path / "qwen3_tiny"
+    checkpoint.mkdir()
+    tiny = models.ModelConfig(architecture="qwen3", qk_norm=True, vocab_size=400, num_layers=1, hidden_size=32,
+                              intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
+    models.save_hf(str(checkpoint), tiny, models.init_params(tiny, jax.random.PRNGKey(0)))
+    hf_reference.train_tiny_hf_tokenizer(checkpoint)
+    config = config_lib.load_config(str(ROOT / "configs" / "qwen3_0_6b_agentic.py"))
+    config.checkpoint.hf_path = str(checkpoint)
+    config.checkpoint.param_dtype = config.checkpoint.compute_dtype = "float32"
+    for section, key, value in [("sampler", "max_concurrent_decodes", 8), ("sft", "steps", 2), ("sft", "batch_size", 4),
+                                ("sft", "num_demonstrations", 8), ("rl", "iterations", 2), ("rollout", "prompts_per_iteration", 2),
+                                ("rollout", "group_size", 2), ("rollout", "max_tokens_per_turn", 16),
+                                ("rollout", "token_budget", 8), ("eval", "tasks_per_difficulty", 1), ("eval", "every", 2),
+                                ("env", "eval_difficulties", "1"), ("learner", "microbatches", 1),
+                                ("metrics", "tensorboard", False), ("workdir", None, str(tmp_path / "run"))]:
+        if key is None:
+            config[section] = value
+        else:
+            config[section][key] = value
+    records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
+    stages = [r["stage"] for r in records]
+    assert "sft_eval" in stages and stages.count("rl") == 2 and "rl_eval" in stages
+    assert next(r for r in records if r["stage"] == "start")["params"] == models.count_params(
+        models.init_params(tiny, jax.random.PRNGKey(0)))
