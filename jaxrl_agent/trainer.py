@@ -364,8 +364,11 @@ class Trainer:
             for iteration in range(first_iteration, c.iterations + 1):
                 state = self._rl_iteration(iteration, schedule, state, step_fn)
                 if c.stop_after_trained_tokens and self.trained_tokens_total >= c.stop_after_trained_tokens:
-                    if iteration % self.config.eval.every != 0:  # end as a finished run does
+                    # End as a finished run does: a checkpoint and an evaluation of this iteration
+                    # (unless the iteration's schedule already made them).
+                    if iteration % self.config.checkpoint.every != 0 and iteration != c.iterations:
                         self._checkpoint("rl", iteration, state)
+                    if iteration % self.config.eval.every != 0 and iteration != c.iterations:
                         self.writer.write("rl_eval", iteration, self.evaluate())
                     break
         finally:

@@ -183,3 +183,17 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     assert "sft_eval" in stages and stages.count("rl") == 2 and "rl_eval" in stages
     assert next(r for r in records if r["stage"] == "start")["params"] == models.count_params(
         models.init_params(tiny, jax.random.PRNGKey(0)))
+
+
+def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_path):
+    config = tiny_config(tmp_path)
+    config.rl.iterations = 50
+    config.rl.stop_after_trained_tokens = 1  # reached at the first iteration
+    config.checkpoint.every = 1  # the iteration's own checkpoint must not be written twice
+    config.eval.every = 100
+    config.eval.pass_k = 0
+    config.sft.steps = 1
+    config.metrics.tensorboard = False
+    records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
+    assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
