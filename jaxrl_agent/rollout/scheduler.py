@@ -313,5 +313,17 @@ class RolloutRunner:
         self._call(self.clock.advance())
 
     def close(self) -> None:
+        """Cancels the episodes still in flight (their groups are in `pending_state()` if a
+        checkpoint needs them) and stops the loop."""
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=10)
+        except Exception:  # noqa: BLE001 - closing must not raise; the loop is stopped regardless
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
