@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import queue
 import struct
 from typing import Any
 
@@ -89,6 +90,55 @@ class SamplerDriver(orchestrator.Driver):
                 self._fail(request, f"{type(err).__name__}: {err}")
                 continue
             self._transfer_backlogs[idx].put(request, block=True)
+
+    def _generate_thread(self, idx: int):
+        """Inserts prefilled requests into free slots, then takes one decode step; repeats.
+
+        Replaces JetStream 0.2.2's loop, which asserts that some slot is busy after its insert
+        phase: the detokenize thread can free the last busy slot in between, and the failed
+        assertion SIGKILLs the server (seen under load; reproduced with a tiny GIL switch interval).
+        Here the free slots are drained once per round and a step over no live request is harmless.
+        """
+        engine = self._generate_engines[idx]
+        slots = self._generate_slots[idx]
+        backlog = self._generate_backlogs[idx]
+        detokenize = self._detokenize_backlogs[idx]
+        decode_state = engine.init_decode_state()
+        step = 0
+        while self.live:
+            free = []
+            while True:
+                try:
+                    free.append(slots.get(block=False))
+                except queue.Empty:
+                    break
+            idle = len(free) == engine.max_concurrent_decodes
+            while free:
+                prefill_pending = not self._prefill_backlog.empty() or not self._transfer_backlogs[idx].empty()
+                wait = idle or prefill_pending
+                try:
+                    request = backlog.get(block=wait, timeout=1.0 if wait else None)
+                except queue.Empty:
+                    if idle and self.live:
+                        continue  # nothing to decode: keep waiting for work
+                    break
+                if request is None:
+                    return
+                slot = free.pop()
+                decode_state = engine.insert(request.prefill_result, decode_state, slot=slot)
+                request.prefill_result = None
+                request.generate_timestep_added = step
+                request.complete = np.zeros((engine.samples_per_slot,), np.bool_)
+                detokenize.put((slot, request), block=True)
+                idle = False
+            for slot in free:
+                slots.put(slot, block=False)
+            if idle or not self.live:
+                continue
+            decode_state, result = engine.generate(None, decode_state)
+            result.copy_to_host_async()
+            detokenize.put((step, result), block=True)
+            step += 1
 
     def _detokenize_thread(self, idx: int):
         backlog = self._detokenize_backlogs[idx]

@@ -62,22 +62,39 @@ def _greedy(prompt, max_tokens, params):
     return out
 
 
-def _start_server():
+def _start_server(log_path, **env):
     args = [sys.executable, str(ROOT / "launch" / "sampler_server.py"), "--config", "configs/calculator_tiny.py",
             "--port", "0", "--host", "127.0.0.1"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    with open(log_path, "w") as log:  # the server's stderr, shown when a test finds a server dead
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", **env))
+    proc.log_path = log_path
     line = proc.stdout.readline()
     match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
     if not match:
         proc.kill()
-        raise RuntimeError(f"sampler server did not start: {line!r}")
+        raise RuntimeError(f"sampler server did not start: {line!r}\n{_log_tail(proc)}")
     return proc, f"127.0.0.1:{match.group(1)}"
 
 
+def _log_tail(proc, chars=4000):
+    return pathlib.Path(proc.log_path).read_text()[-chars:]
+
+
+def _run(servers, coroutine):
+    """asyncio.run, but a failure first reports any server that died (with its stderr)."""
+    try:
+        return asyncio.run(coroutine)
+    except BaseException:
+        for proc, address in servers:
+            assert proc.poll() is None, f"server {address} exited with {proc.returncode}:\n{_log_tail(proc)}"
+        raise
+
+
 @pytest.fixture(scope="module")
-def servers():
-    started = [_start_server() for _ in range(2)]
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("server_logs")
+    started = [_start_server(logs / f"server{i}.log") for i in range(2)]
     yield started
     for proc, _ in started:
         if proc.poll() is None:
@@ -115,7 +132,7 @@ def test_stock_jetstream_decode_and_our_client_give_greedy_tokens_concurrently(s
         await client.close()
         return results[:len(ours)], results[len(ours):]
 
-    completions, stock_ids = asyncio.run(run())
+    completions, stock_ids = _run(servers, run())
     for prompt, completion in zip(PROMPTS * 2, completions):
         expected = greedy_reference(TOKENIZER.encode(prompt), 12)
         assert list(completion.token_ids) == expected, prompt
@@ -141,7 +158,7 @@ def test_prompts_that_do_not_fit_are_rejected(servers):
         await client.close()
         return completion
 
-    assert list(asyncio.run(run()).token_ids) == greedy_reference(TOKENIZER.encode("ok"), 3)
+    assert list(_run(servers, run()).token_ids) == greedy_reference(TOKENIZER.encode("ok"), 3)
 
 
 def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
@@ -174,7 +191,7 @@ def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
         await client.close()
         return rounds, after, restored, infos
 
-    rounds, after, restored, infos = asyncio.run(run())
+    rounds, after, restored, infos = _run(servers, run())
     previous = 0
     for version, during in rounds:
         for completion in during:
@@ -195,15 +212,46 @@ def test_killing_one_server_finishes_every_request_on_the_other(servers):
 
     async def run():
         client = SamplerClient([victim_address, survivor_address], cooldown_s=30)
-        greedy = SamplingParams(temperature=0.0, max_tokens=150)  # long enough to be in flight at the kill
-        tasks = [asyncio.create_task(client.generate(TOKENIZER.encode(p), greedy)) for p in PROMPTS * 2]
-        await asyncio.sleep(0.3)
+        greedy = SamplingParams(temperature=0.0, max_tokens=150)
+        # 24 requests over 2 x 4 slots: when the first one completes, the victim still holds queued
+        # and decoding requests however fast (or loaded) the machine is.
+        tasks = [asyncio.create_task(client.generate(TOKENIZER.encode(p), greedy)) for p in PROMPTS * 4]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         victim.send_signal(signal.SIGKILL)
         completions = await asyncio.gather(*tasks)
         await client.close()
         return completions, client.stats["retries"]
 
-    completions, retries = asyncio.run(run())
+    completions, retries = _run(servers[1:], run())
     assert retries > 0
-    for prompt, completion in zip(PROMPTS * 2, completions):
+    for prompt, completion in zip(PROMPTS * 4, completions):
         assert list(completion.token_ids) == greedy_reference(TOKENIZER.encode(prompt), 150)
+
+
+def test_requests_finishing_while_the_generate_loop_inserts_never_kill_the_server(tmp_path):
+    """JetStream 0.2.2's generate loop asserts a slot is busy after inserting; the detokenize thread
+    can free the last one in between and the assertion SIGKILLs the server. A one-microsecond GIL
+    switch interval makes that interleaving likely (JetStream's loop died within ~30 rounds)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.setswitchinterval(1e-6)\n")
+    proc, address = _start_server(tmp_path / "server.log", PYTHONPATH=os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    prompt = TOKENIZER.encode("Q: 1+2=?")
+
+    async def run():
+        client = SamplerClient([address])
+        rounds = []
+        for _ in range(150):
+            rounds.append(await asyncio.gather(*[
+                client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=k)) for k in (1, 2, 3)]))
+        await client.close()
+        return rounds
+
+    try:
+        rounds = _run([(proc, address)], run())
+        assert proc.poll() is None, _log_tail(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    expected = greedy_reference(prompt, 3)
+    for completions in rounds:
+        assert [list(c.token_ids) for c in completions] == [expected[:k] for k in (1, 2, 3)]
