@@ -24,10 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {
     "sync": [],
-    "windowed_fifo + partial": ["--config.rollout.schedule=windowed_fifo", "--config.rollout.window=16",
-                                "--config.rollout.token_budget=16"],
+    "windowed_fifo + partial": ["--config.rollout.schedule=windowed_fifo", "--config.rollout.window=128",
+                                "--config.rollout.token_budget=64"],
     "async (S=2) + partial": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=2",
-                              "--config.rollout.token_budget=16"],
+                              "--config.rollout.token_budget=64"],
 }
 
 

@@ -98,6 +98,22 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.token_budget = 0  # Partial rollouts: tokens per episode per iteration (0 = no limit).
     config.rollout.groups_in_flight = 0  # Non-sync: groups submitted ahead of the learner (0 = prompts_per_iteration).
 
+    # Who gets rollouts (issue 7). 'uniform' with task_pool=0 is a fresh task for every group.
+    config.allocation = ml_collections.ConfigDict()
+    # 'uniform', 'variance' (sqrt(p(1-p)), VIP / GVM-RAFT) or 'knapsack' (Knapsack RL); the last two
+    # need a revisited pool, where per-task success posteriors pick the tasks likely to give mixed groups.
+    config.allocation.strategy = "uniform"
+    config.allocation.task_pool = 0  # Training tasks in a fixed pool revisited over epochs (0 = fresh tasks).
+    config.allocation.candidates = 2.0  # Tasks considered per group of budget (adaptive strategies).
+    config.allocation.max_group = 16  # Most rollouts one task gets in an iteration.
+    config.allocation.decay = 0.9  # Posterior forgetting per update (follows an improving policy).
+    config.allocation.retire_threshold = 0.95  # Tasks solved this reliably are retired...
+    config.allocation.retire_min_evidence = 8.0  # ...after this many observed rollouts...
+    config.allocation.revisit_prob = 0.05  # ...and revisited with this probability.
+    # DAPO dynamic sampling (sync): submit ceil(P / running non-zero share) prompts so about P
+    # groups survive the all-equal filter (more rollouts per iteration).
+    config.allocation.dynamic_sampling = False
+
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).
     config.sft.batch_size = 64  # Fresh expert episodes per update (~0.9 s per update on 2 cores).

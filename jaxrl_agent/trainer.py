@@ -193,10 +193,38 @@ class Trainer:
         self.sft_skipped = 0
         self.trained_tokens_total = 0
         self.runner = None
+        self.allocator = self._make_allocator()
+        self.nonzero_share = 1.0  # running share of groups with signal (DAPO over-sampling)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
 
     # ---------------------------------------------------------------- helpers
+    def _make_allocator(self):
+        """The RL task pool and its allocation rule (`config.allocation`); None = a fresh task per group."""
+        a, r = self.config.allocation, self.config.rollout
+        if a.task_pool <= 0:
+            if a.strategy != "uniform":
+                raise ValueError(f"allocation.strategy={a.strategy!r} needs a revisited task pool: set "
+                                 f"allocation.task_pool > 0 (got {a.task_pool})")
+            return None
+        levels = self.train_difficulties
+        pool = [self.env.sample_task(i, levels[i % len(levels)]) for i in range(a.task_pool)]
+        return rollout.TaskAllocator(
+            pool, a.strategy, r.group_size, candidates=a.candidates, max_group=a.max_group, decay=a.decay,
+            retire_threshold=a.retire_threshold, retire_min_evidence=a.retire_min_evidence,
+            revisit_prob=a.revisit_prob, seed=self.config.seed + 1)
+
+    def _submit(self, num_groups: int) -> None:
+        """Starts about `num_groups` groups' worth of rollouts: fresh tasks of group_size episodes,
+        or the allocator's choice of pool tasks and group sizes for that budget."""
+        if num_groups <= 0:
+            return
+        if self.allocator is None:
+            self.runner.submit(self._tasks(num_groups))
+        else:
+            proposals = self.allocator.propose(num_groups)
+            self.runner.submit([t for t, _ in proposals], [n for _, n in proposals])
+
     def _tasks(self, n: int, difficulties: tuple[int, ...] | None = None) -> list[envs.Task]:
         difficulties = difficulties or self.train_difficulties
         tasks = []
@@ -225,7 +253,8 @@ class Trainer:
         return {"stage": stage, "iteration": iteration, "version": self.version, "task_seed": self.task_seed,
                 "trained_tokens_total": self.trained_tokens_total,
                 "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-                "replay": self.buffer.state_dict(),
+                "replay": self.buffer.state_dict(), "nonzero_share": self.nonzero_share,
+                "allocator": self.allocator.state_dict() if self.allocator is not None else None,
                 "pending": self.runner.pending_state() if self.runner is not None else None}
 
     def _load_meta(self, meta: dict) -> None:
@@ -235,6 +264,9 @@ class Trainer:
         kind, keys, pos, has_gauss, cached = meta["rng"]
         self.rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, cached))
         self.buffer.load_state_dict(meta["replay"])
+        self.nonzero_share = float(meta.get("nonzero_share", 1.0))
+        if self.allocator is not None and meta.get("allocator"):
+            self.allocator.load_state_dict(meta["allocator"])
 
     def _checkpoint(self, stage: str, iteration: int, state) -> None:
         self.checkpointer.save(self.config.sft.steps + iteration, {"params": state.params,
@@ -396,13 +428,19 @@ class Trainer:
         if schedule.mode == "sync":
             # A barrier: top up to P open groups (partial rollouts carried over count), then wait
             # until every episode has finished or spent this iteration's token budget.
-            missing = r.prompts_per_iteration - len(runner.unfinished()) - len(runner.finished())
-            runner.submit(self._tasks(max(missing, 0)))
+            wanted = r.prompts_per_iteration
+            if self.config.allocation.dynamic_sampling:
+                # DAPO: over-sample so that about P groups survive the all-equal filter.
+                wanted = rollout.allocation.dynamic_sampling_prompts(r.prompts_per_iteration, self.nonzero_share)
+            self._submit(wanted - len(runner.unfinished()) - len(runner.finished()))
             runner.wait(runner.quiescent)
             return runner.finished()
         ahead = schedule.groups_in_flight or r.prompts_per_iteration
-        missing = r.prompts_per_iteration + ahead - len(runner.unfinished()) - len(runner.finished())
-        runner.submit(self._tasks(max(missing, 0)))
+
+        def top_up():
+            # Keep P + ahead groups open at all times, not only at iteration start: while a few
+            # episodes sleep in slow tools, new groups keep the sampler busy.
+            self._submit(r.prompts_per_iteration + ahead - len(runner.unfinished()) - len(runner.finished()))
 
         def selectable():
             finished, unfinished = runner.finished_unlocked(), runner.unfinished_unlocked()
@@ -411,7 +449,10 @@ class Trainer:
             return finished
 
         # Train as soon as a batch's worth of groups is trainable (or nothing more can finish).
-        runner.wait(lambda: len(selectable()) >= r.prompts_per_iteration or runner.quiescent())
+        top_up()
+        while not runner.wait(lambda: len(selectable()) >= r.prompts_per_iteration or runner.quiescent(),
+                              timeout=0.2):
+            top_up()
         with runner.lock:
             return selectable()[: r.prompts_per_iteration]
 
@@ -422,6 +463,9 @@ class Trainer:
         groups = self.runner.take(self._select_groups(schedule))
         sample_seconds = time.perf_counter() - started
         all_trajectories = [t for g in groups for t in g]
+        if self.allocator is not None:
+            for g in groups:
+                self.allocator.observe(g[0].task_id, [_success(t) for t in g])
         stale_dropped = 0
         if schedule.mode == "async":
             # The staleness bound, against the version these tokens will be trained at.
@@ -435,6 +479,8 @@ class Trainer:
                     kept_groups.append(kept)
             groups = kept_groups
         signal = rollout.assign_advantages(groups, normalize_std=r.normalize_std)
+        if groups:
+            self.nonzero_share = 0.8 * self.nonzero_share + 0.2 * signal["nonzero_advantage_group_share"]
         kept = [t for g in groups if not r.drop_zero_advantage_groups or any(t.advantage != 0 for t in g)
                 for t in g]
         self.buffer.insert(kept, current_version=self.version)
@@ -473,6 +519,8 @@ class Trainer:
             **{f"sampled_entropy/{env}": v for env, v in metrics_lib.entropy_by_env(all_trajectories).items()},
             "reward": float(np.mean([t.reward for t in all_trajectories])) if all_trajectories else 0.0,
             "trained_trajectories": len(batch_trajectories),
+            "rollouts": len(all_trajectories),
+            **({"allocation/retired_tasks": self.allocator.retired_count()} if self.allocator is not None else {}),
             "stale_dropped": stale_dropped,
             # Schedule position after this iteration (a resumed run must continue it exactly).
             "version": self.version, "task_seed": self.task_seed, "learner_step": int(state.step),

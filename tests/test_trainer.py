@@ -201,3 +201,35 @@ def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_
     records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
     assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
+
+
+def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
+    config = tiny_config(tmp_path)
+    config.allocation.strategy = "knapsack"
+    config.allocation.task_pool = 5
+    config.allocation.dynamic_sampling = True
+    config.rl.iterations = 3
+    config.sft.steps = 1
+    config.eval.every = 100
+    config.eval.pass_k = 0
+    config.metrics.tensorboard = False
+    config.checkpoint.every = 1
+    path = trainer.train_and_evaluate(config, quiet=True)
+    rl = [json.loads(line) for line in open(path) if '"stage": "rl"' in line]
+    share = 1.0
+    for record in rl:
+        # DAPO: ceil(P / running non-zero share) prompts' worth of rollouts (budget x group size),
+        # spread by the knapsack rule over pool tasks in groups of at least group_size.
+        budget = math.ceil(3 / share)
+        assert record["rollouts"] == budget * 2 and record["groups"] <= budget
+        assert "allocation/retired_tasks" in record
+        share = 0.8 * share + 0.2 * record["nonzero_advantage_group_share"]
+    # The allocator's posteriors are checkpointed: a resumed run continues with them.
+    meta = trainer.Checkpointer(str(tmp_path / "checkpoints"), 2).latest_meta()
+    posterior = meta["allocator"]["posterior"]
+    assert set(posterior["alpha"]) <= {f"calculator/{d}/{i}" for i in range(5) for d in (1, 2, 3)}
+    assert sum(posterior["alpha"].values()) + sum(posterior["beta"].values()) > 0
+
+    config.allocation.task_pool = 0
+    with pytest.raises(ValueError, match="allocation.strategy='knapsack' needs a revisited task pool"):
+        trainer.Trainer(config, str(tmp_path / "other"), quiet=True)

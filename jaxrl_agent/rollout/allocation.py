@@ -158,3 +158,75 @@ def dynamic_sampling_prompts(target_groups: int, nonzero_share: float, *, max_fa
         raise ValueError(f"target_groups={target_groups} must be >= 0")
     share = max(float(nonzero_share), 1.0 / max_factor)
     return int(math.ceil(target_groups / share))
+
+
+class TaskAllocator:
+    """A finite pool of training tasks, revisited, with per-task posteriors driving who gets rollouts.
+
+    Each call to `propose(num_groups)` spends a budget of `num_groups * group_size` rollouts:
+    `candidates * num_groups` tasks are drawn from the pool without replacement (retired tasks only
+    with probability `revisit_prob` each), and `allocate(strategy, ...)` splits the budget over them
+    from their posterior success rates. With `min_group = group_size` the adaptive strategies keep
+    whole groups and choose *which* tasks get them (those most likely to give mixed outcomes);
+    `uniform` takes the first `num_groups` candidates, i.e. a uniform draw from the pool.
+    `observe(task_id, rewards)` feeds finished groups back (reward > 0 counts as a success).
+    The state (posteriors and the draw RNG) is a plain dict for checkpoints.
+    """
+
+    def __init__(self, tasks: Sequence, strategy: str, group_size: int, *, candidates: float = 2.0,
+                 min_group: int | None = None, max_group: int = 16, decay: float = 0.9,
+                 retire_threshold: float = 0.95, retire_min_evidence: float = 8.0, revisit_prob: float = 0.05,
+                 seed: int = 0):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"allocation strategy {strategy!r}; expected one of {STRATEGIES}")
+        if not tasks:
+            raise ValueError("the task pool is empty")
+        if candidates < 1.0:
+            raise ValueError(f"candidates={candidates} must be >= 1 (tasks considered per group of budget)")
+        if not 0.0 <= revisit_prob <= 1.0:
+            raise ValueError(f"revisit_prob={revisit_prob} must be in [0, 1]")
+        self.tasks = list(tasks)
+        self.by_id = {t.id: t for t in self.tasks}
+        if len(self.by_id) != len(self.tasks):
+            raise ValueError("task ids in the pool must be unique")
+        self.strategy, self.group_size, self.candidates = strategy, group_size, candidates
+        self.min_group = group_size if min_group is None else min_group
+        self.max_group = max_group
+        self.retire_threshold, self.retire_min_evidence = retire_threshold, retire_min_evidence
+        self.revisit_prob = revisit_prob
+        self.posterior = TaskPosterior(decay=decay)
+        self.rng = np.random.RandomState(seed)
+
+    def retired_count(self) -> int:
+        return sum(self.posterior.retired(t.id, self.retire_threshold, self.retire_min_evidence) for t in self.tasks)
+
+    def propose(self, num_groups: int) -> list[tuple[object, int]]:
+        """[(task, rollouts)] for a budget of num_groups * group_size rollouts."""
+        if num_groups <= 0:
+            return []
+        active = [t for t in self.tasks
+                  if not self.posterior.retired(t.id, self.retire_threshold, self.retire_min_evidence)
+                  or self.rng.rand() < self.revisit_prob]
+        if not active:
+            active = self.tasks
+        wanted = num_groups if self.strategy == "uniform" else int(math.ceil(self.candidates * num_groups))
+        picks = self.rng.choice(len(active), size=min(wanted, len(active)), replace=False)
+        chosen = [active[i] for i in picks]
+        p = [self.posterior.mean(t.id) for t in chosen]
+        counts = allocate(self.strategy, p, num_groups * self.group_size, group_size=self.group_size,
+                          min_group=self.min_group, max_group=max(self.max_group, self.min_group))
+        return [(task, int(n)) for task, n in zip(chosen, counts) if n > 0]
+
+    def observe(self, task_id: str, rewards: Sequence[float]) -> None:
+        successes = int(sum(float(r) > 0 for r in rewards))
+        self.posterior.update(task_id, successes, len(rewards) - successes)
+
+    def state_dict(self) -> dict:
+        kind, keys, pos, has_gauss, cached = self.rng.get_state()
+        return {"posterior": self.posterior.state_dict(),
+                "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.posterior = TaskPosterior.from_state_dict(state["posterior"])
+        kind, keys, pos, has_gauss, cached = state["rng"]
+        self.rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, cached))

@@ -31,14 +31,27 @@ async def collect_groups(sampler, make_env: Callable[[env_api.Task], EpisodeEnv]
 
 
 def assign_advantages(groups: Sequence[Sequence[Trajectory]], *, normalize_std: bool = False) -> dict[str, float]:
-    """Sets `advantage` on every trajectory from its group's rewards; returns signal statistics."""
+    """Sets `advantage` on every trajectory from its group's rewards; returns signal statistics.
+
+    Groups may differ in size (adaptive allocation gives tasks different numbers of rollouts; the
+    staleness bound may drop part of a group): groups of equal size are computed together.
+    """
     if not groups:
         return {"groups": 0, "nonzero_advantage_group_share": 0.0}
-    rewards = np.asarray([[t.reward for t in g] for g in groups], np.float32)
-    advantages = np.asarray(losses.group_advantages(rewards, normalize_std=normalize_std))
+    nonzero = np.zeros(len(groups), bool)
+    by_size: dict[int, list[int]] = {}
     for g, group in enumerate(groups):
-        for i, t in enumerate(group):
-            t.advantage = float(advantages[g, i])
-    nonzero = np.any(advantages != 0, axis=1)
+        by_size.setdefault(len(group), []).append(g)
+    all_rewards, all_advantages = [], []
+    for size, members in by_size.items():
+        rewards = np.asarray([[t.reward for t in groups[g]] for g in members], np.float32)
+        advantages = np.asarray(losses.group_advantages(rewards, normalize_std=normalize_std))
+        for row, g in enumerate(members):
+            for i, t in enumerate(groups[g]):
+                t.advantage = float(advantages[row, i])
+            nonzero[g] = bool(np.any(advantages[row] != 0))
+        all_rewards.append(rewards.ravel())
+        all_advantages.append(advantages.ravel())
+    rewards, advantages = np.concatenate(all_rewards), np.concatenate(all_advantages)
     return {"groups": len(groups), "nonzero_advantage_group_share": float(nonzero.mean()),
             "reward_mean": float(rewards.mean()), "advantage_abs_mean": float(np.abs(advantages).mean())}

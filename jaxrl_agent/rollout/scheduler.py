@@ -152,6 +152,7 @@ class EpisodeBudget:
 class _Group:
     index: int
     task: env_api.Task
+    size: int
     trajectories: list | None = None
     submitted_at: float = 0.0
     finished_at: float | None = None
@@ -191,21 +192,25 @@ class RolloutRunner:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     # ------------------------------------------------------------------ submission
-    def submit(self, tasks: Sequence[env_api.Task]) -> list[int]:
+    def submit(self, tasks: Sequence[env_api.Task], sizes: Sequence[int] | None = None) -> list[int]:
+        """Starts one group per task, of `sizes[i]` episodes (default: group_size each)."""
+        sizes = [self.group_size] * len(tasks) if sizes is None else [int(n) for n in sizes]
+        if len(sizes) != len(tasks) or any(n < 1 for n in sizes):
+            raise ValueError(f"group sizes {sizes} must be >= 1, one per task ({len(tasks)} tasks)")
         indices = []
         with self._lock:
-            for task in tasks:
+            for task, size in zip(tasks, sizes):
                 index = self._next_index
                 self._next_index += 1
-                self._groups[index] = _Group(index, task, submitted_at=time.perf_counter())
-                self._running += self.group_size
+                self._groups[index] = _Group(index, task, size, submitted_at=time.perf_counter())
+                self._running += size
                 indices.append(index)
         for index in indices:
             asyncio.run_coroutine_threadsafe(self._run_group(self._groups[index]), self.loop)
         return indices
 
     async def _run_group(self, group: _Group) -> None:
-        results: list[Trajectory | None] = [None] * self.group_size
+        results: list[Trajectory | None] = [None] * group.size
         done = [0]
 
         async def one(i):
@@ -214,7 +219,7 @@ class RolloutRunner:
             try:
                 trajectory = await run_episode(
                     self.sampler, self.make_env(group.task), group.task, self.tokenizer, self.template,
-                    self.settings, seed=self.seed + group.index * self.group_size + i,
+                    self.settings, seed=self.seed + group.index * 1024 + i,  # distinct per episode (groups < 1024)
                     group_id=f"g{group.index}", sample_index=i, budget=budget)
             except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
                 error = err
@@ -226,12 +231,12 @@ class RolloutRunner:
                 self._running -= 1
                 if error is not None:
                     self._errors.append(error)
-                if done[0] == self.group_size and all(t is not None for t in results):
+                if done[0] == group.size and all(t is not None for t in results):
                     group.trajectories = list(results)
                     group.finished_at = time.perf_counter()
                 self._changed.notify_all()
 
-        await asyncio.gather(*(one(i) for i in range(self.group_size)))
+        await asyncio.gather(*(one(i) for i in range(group.size)))
 
     # ------------------------------------------------------------------ state (learner thread)
     @property
@@ -285,7 +290,7 @@ class RolloutRunner:
         tasks of unfinished ones (their episodes restart from the task on resume), in submission order."""
         with self._lock:
             return {"next_index": self._next_index,
-                    "groups": [{"index": g.index, "task": g.task.to_dict(),
+                    "groups": [{"index": g.index, "task": g.task.to_dict(), "size": g.size,
                                 "trajectories": None if g.trajectories is None else
                                 [t.to_dict() for t in g.trajectories]}
                                for g in sorted(self._groups.values(), key=lambda g: g.index)]}
@@ -296,12 +301,12 @@ class RolloutRunner:
         with self._lock:
             for entry in state["groups"]:
                 group = _Group(int(entry["index"]), env_api.Task.from_dict(entry["task"]),
-                               submitted_at=time.perf_counter())
+                               int(entry.get("size", self.group_size)), submitted_at=time.perf_counter())
                 if entry["trajectories"] is not None:
                     group.trajectories = [Trajectory.from_dict(d) for d in entry["trajectories"]]
                     group.finished_at = group.submitted_at
                 else:
-                    self._running += self.group_size
+                    self._running += group.size
                     to_run.append(group)
                 self._groups[group.index] = group
             self._next_index = max(self._next_index, int(state["next_index"]))

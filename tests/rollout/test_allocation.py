@@ -74,3 +74,58 @@ def test_posterior_decay_and_retirement():
     assert saturated.retired("easy") and not post.retired("a")
     restored = al.TaskPosterior.from_state_dict(saturated.state_dict())
     assert restored.mean("easy") == saturated.mean("easy")
+
+
+def _pool(n):
+    from jaxrl_agent import envs
+
+    env = envs.make("calculator")
+    return [env.sample_task(i, 1) for i in range(n)]
+
+
+def test_allocator_uniform_draws_whole_groups_from_the_pool():
+    allocator = al.TaskAllocator(_pool(10), "uniform", 4, seed=0)
+    proposals = allocator.propose(3)
+    assert [n for _, n in proposals] == [4, 4, 4]
+    assert len({t.id for t, _ in proposals}) == 3
+
+
+def test_allocator_variance_prefers_tasks_with_mixed_outcomes():
+    pool = _pool(8)
+    allocator = al.TaskAllocator(pool, "variance", 4, candidates=8.0, seed=0, decay=1.0)
+    # Tasks 0-5 observed solved always / never (posterior mean 9/10 or 1/10); 6 and 7 half the time.
+    for i, task in enumerate(pool):
+        rewards = {0: [1] * 8, 1: [1] * 8, 2: [1] * 8, 3: [0] * 8, 4: [0] * 8, 5: [0] * 8}.get(i, [1, 0] * 4)
+        allocator.observe(task.id, rewards)
+    # Budget of 2 groups x 4 = 8 rollouts; all 8 tasks are candidates. Weights sqrt(p(1-p)):
+    # 0.3 for the saturated / unsolved ones, 0.5 for the mixed ones; each share = round(8 w / 2.8)
+    # is at most 1, so every chosen task gets min_group = 4 and the two mixed tasks take the budget.
+    proposals = allocator.propose(2)
+    assert sorted(t.id for t, _ in proposals) == sorted(t.id for t in pool[6:])
+    assert [n for _, n in proposals] == [4, 4]
+
+
+def test_allocator_retires_saturated_tasks_and_revisits_them_rarely():
+    pool = _pool(4)
+    allocator = al.TaskAllocator(pool, "uniform", 2, seed=0, decay=1.0, revisit_prob=0.0)
+    allocator.observe(pool[0].id, [1] * 40)  # mean 41/42 >= 0.95 with 40 observations: retired
+    assert allocator.retired_count() == 1
+    for _ in range(20):
+        assert pool[0].id not in {t.id for t, _ in allocator.propose(3)}
+    # All retired: the whole pool is used again rather than nothing.
+    for task in pool[1:]:
+        allocator.observe(task.id, [1] * 40)
+    assert len(allocator.propose(2)) == 2
+
+
+def test_allocator_state_round_trips():
+    pool = _pool(6)
+    a = al.TaskAllocator(pool, "knapsack", 2, seed=3)
+    a.observe(pool[1].id, [1, 0, 0])
+    b = al.TaskAllocator(pool, "knapsack", 2, seed=99)
+    b.load_state_dict(a.state_dict())
+    assert [(t.id, n) for t, n in a.propose(2)] == [(t.id, n) for t, n in b.propose(2)]
+    with pytest.raises(ValueError, match="strategy 'greedy'"):
+        al.TaskAllocator(pool, "greedy", 2)
+    with pytest.raises(ValueError, match="empty"):
+        al.TaskAllocator([], "uniform", 2)

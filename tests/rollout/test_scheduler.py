@@ -110,3 +110,32 @@ def test_partial_rollouts_resume_on_new_weights_and_carry_mixed_versions():
             assert np.all(np.diff(sampled_versions) >= 0)
             assert np.bincount(sampled_versions).max() <= 7
             assert any(turn["sampler_calls"] > 1 for turn in t.turns)  # a turn was cut and resumed
+
+
+def test_groups_of_different_sizes_and_their_checkpointed_state():
+    env = envs.make("calculator")
+    tasks = [env.sample_task(s, 1) for s in range(3)]
+    make_env = lambda task: rollout.InProcessEnv(envs.make("calculator"))
+    runner = scheduler.RolloutRunner(VersionedSampler(version=0), make_env, TOKENIZER, tok.CHATML, _settings(),
+                                     group_size=2)
+    try:
+        with pytest.raises(ValueError, match="group sizes"):
+            runner.submit(tasks, [1, 2])
+        indices = runner.submit(tasks, [1, 3, 5])
+        state = runner.pending_state()
+        assert [g["size"] for g in state["groups"]] == [1, 3, 5]
+        assert runner.wait(lambda: not runner.unfinished_unlocked(), timeout=30)
+        groups = runner.take(indices)
+    finally:
+        runner.close()
+    assert [len(g) for g in groups] == [1, 3, 5]
+    assert all(t.reward == 1.0 for g in groups for t in g)
+    # A restored checkpoint re-runs unfinished groups at their own sizes.
+    runner = scheduler.RolloutRunner(VersionedSampler(version=0), make_env, TOKENIZER, tok.CHATML, _settings(),
+                                     group_size=2)
+    try:
+        runner.restore_pending(state)
+        assert runner.wait(lambda: not runner.unfinished_unlocked(), timeout=30)
+        assert [len(g) for g in runner.take(indices)] == [1, 3, 5]
+    finally:
+        runner.close()
