@@ -28,6 +28,9 @@ VARIANTS = {
                                 "--config.rollout.token_budget=64"],
     "async (S=2) + partial": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=2",
                               "--config.rollout.token_budget=64"],
+    # More groups open at once (3P instead of 2P): more episodes to decode while others sleep in tools.
+    "async (S=3) + partial + 4P open": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=3",
+                                        "--config.rollout.token_budget=64", "--config.rollout.groups_in_flight=192"],
 }
 
 
@@ -52,7 +55,7 @@ def main() -> None:
     parser.add_argument("--trained_tokens", type=int, default=30000)
     parser.add_argument("--tool_latency_s", type=float, default=0.1)
     parser.add_argument("--tool_latency_alpha", type=float, default=1.2)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(list(VARIANTS)[:3]))
     args = parser.parse_args()
 
     sft_dir = os.path.join(args.workdir, "sft")

@@ -92,7 +92,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"
-    config.rollout.window = 8  # windowed_fifo: trainable groups lie within W of the oldest unfinished one.
+    # windowed_fifo: trainable groups lie within W of the oldest unfinished one (in groups). Below
+    # prompts_per_iteration a single slow group stalls every iteration; 2P measured 1.9x over sync.
+    config.rollout.window = 128
     config.rollout.max_staleness = 2  # async: sampled at most S policy versions before training.
     config.rollout.stale_policy = "drop"  # async: 'drop' episodes with older tokens, or 'mask' those tokens.
     config.rollout.token_budget = 0  # Partial rollouts: tokens per episode per iteration (0 = no limit).
@@ -100,7 +102,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Who gets rollouts (issue 7). 'uniform' with task_pool=0 is a fresh task for every group.
     config.allocation = ml_collections.ConfigDict()
-    # 'uniform', 'variance' (sqrt(p(1-p)), VIP / GVM-RAFT) or 'knapsack' (Knapsack RL); the last two
+    # 'uniform', 'variance' (sqrt(p(1-p)), VIP / GVM-RAFT), 'knapsack' (Knapsack RL) or 'until_mixed'
+    # (Reinforce-Ada: rounds of G/2 rollouts until a task's outcomes differ; sync only). All but uniform
     # need a revisited pool, where per-task success posteriors pick the tasks likely to give mixed groups.
     config.allocation.strategy = "uniform"
     config.allocation.task_pool = 0  # Training tasks in a fixed pool revisited over epochs (0 = fresh tasks).
@@ -113,6 +116,14 @@ def get_config() -> ml_collections.ConfigDict:
     # DAPO dynamic sampling (sync): submit ceil(P / running non-zero share) prompts so about P
     # groups survive the all-equal filter (more rollouts per iteration).
     config.allocation.dynamic_sampling = False
+
+    # Reward shaping on top of the environment's own components (correctness, format, efficiency).
+    config.reward = ml_collections.ConfigDict()
+    # DAPO's soft overlong penalty on sampled tokens: 0 up to rollout.max_context - buffer, then
+    # linearly down to -factor at rollout.max_context (0 = off). Logged as reward/overlong.
+    config.reward.overlong_factor = 0.0
+    config.reward.overlong_buffer = 32  # Tokens before the limit where the penalty ramps in.
+    config.reward.toggle_period = 0  # Kimi Toggle: penalty only every other `period` iterations (0 = always).
 
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).

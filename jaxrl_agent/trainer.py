@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxrl_agent import build, envs, learner, losses, replay, rollout
 from jaxrl_agent import metrics as metrics_lib
+from jaxrl_agent import rewards as rewards_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 from jaxrl_agent.sampling import LocalSampler, SamplingParams
 
@@ -207,10 +208,14 @@ class Trainer:
                 raise ValueError(f"allocation.strategy={a.strategy!r} needs a revisited task pool: set "
                                  f"allocation.task_pool > 0 (got {a.task_pool})")
             return None
+        if a.strategy == "until_mixed" and (r.schedule != "sync" or r.token_budget > 0):
+            raise ValueError("allocation.strategy='until_mixed' samples in rounds within an iteration: it needs "
+                             f"rollout.schedule='sync' and rollout.token_budget=0 (got {r.schedule!r}, {r.token_budget})")
         levels = self.train_difficulties
         pool = [self.env.sample_task(i, levels[i % len(levels)]) for i in range(a.task_pool)]
         return rollout.TaskAllocator(
             pool, a.strategy, r.group_size, candidates=a.candidates, max_group=a.max_group, decay=a.decay,
+            min_group=max(2, r.group_size // 2) if a.strategy == "until_mixed" else None,
             retire_threshold=a.retire_threshold, retire_min_evidence=a.retire_min_evidence,
             revisit_prob=a.revisit_prob, seed=self.config.seed + 1)
 
@@ -456,13 +461,65 @@ class Trainer:
         with runner.lock:
             return selectable()[: r.prompts_per_iteration]
 
+    def _until_mixed_groups(self) -> list[list]:
+        """Reinforce-Ada's sequential sampling under the iteration's budget of P x G rollouts.
+
+        Round 1: min_group rollouts for each of P tasks. Each later round adds min_group rollouts
+        to every task whose outcomes are still all equal (`allocation.until_mixed_done`, capped at
+        allocation.max_group), and when none is left, starts fresh tasks, until the budget is spent.
+        A task's rollouts from all rounds form one group.
+        """
+        r, runner, allocator = self.config.rollout, self.runner, self.allocator
+        step, cap = allocator.min_group, max(self.config.allocation.max_group, allocator.min_group)
+        budget = r.prompts_per_iteration * r.group_size
+        merged: dict[str, list] = {}
+        tasks: dict[str, Any] = {}
+        batch = allocator.propose(r.prompts_per_iteration)
+        spent = 0
+        while batch:
+            indices = runner.submit([t for t, _ in batch], [n for _, n in batch])
+            spent += sum(n for _, n in batch)
+            runner.wait(runner.quiescent)
+            for (task, _), group in zip(batch, runner.take(indices)):
+                tasks[task.id] = task
+                merged.setdefault(task.id, []).extend(group)
+            batch = []
+            for task_id, group in merged.items():
+                if spent + step > budget:
+                    break
+                if not rollout.allocation.until_mixed_done([_success(t) for t in group], cap):
+                    batch.append((tasks[task_id], step))
+                    spent += step
+            if not batch and spent + step <= budget:
+                fresh = allocator.draw((budget - spent) // step, exclude=list(merged))
+                batch = [(task, step) for task in fresh]
+                spent += step * len(batch)
+            spent -= sum(n for _, n in batch)  # counted again when submitted
+        return list(merged.values())
+
+    def _shape_rewards(self, trajectories, iteration: int) -> None:
+        """Adds the configured reward components (`config.reward`) to each trajectory's reward."""
+        c = self.config.reward
+        if c.overlong_factor <= 0:
+            return
+        budget_phase = c.toggle_period <= 0 or rewards_lib.toggle_phase(iteration, c.toggle_period) == "budget"
+        for t in trajectories:
+            penalty = rewards_lib.overlong_penalty(t.generated_tokens, self.config.rollout.max_context,
+                                                   c.overlong_buffer, c.overlong_factor) if budget_phase else 0.0
+            t.reward = float(t.reward + penalty)
+            t.reward_components = {**t.reward_components, "overlong": float(penalty)}
+
     def _rl_iteration(self, iteration: int, schedule, state, step_fn):
         c, r = self.config.rl, self.config.rollout
         started = time.perf_counter()
         idle_before = self.sampler.stats.get("idle_seconds", 0.0) if hasattr(self.sampler, "stats") else 0.0
-        groups = self.runner.take(self._select_groups(schedule))
+        if self.allocator is not None and self.allocator.strategy == "until_mixed":
+            groups = self._until_mixed_groups()
+        else:
+            groups = self.runner.take(self._select_groups(schedule))
         sample_seconds = time.perf_counter() - started
         all_trajectories = [t for g in groups for t in g]
+        self._shape_rewards(all_trajectories, iteration)
         if self.allocator is not None:
             for g in groups:
                 self.allocator.observe(g[0].task_id, [_success(t) for t in g])
@@ -518,6 +575,8 @@ class Trainer:
             "distinct_solutions": metrics_lib.distinct_solutions(clusters),
             **{f"sampled_entropy/{env}": v for env, v in metrics_lib.entropy_by_env(all_trajectories).items()},
             "reward": float(np.mean([t.reward for t in all_trajectories])) if all_trajectories else 0.0,
+            **{f"reward/{name}": float(np.mean([t.reward_components.get(name, 0.0) for t in all_trajectories]))
+               for name in sorted({k for t in all_trajectories for k in t.reward_components})},
             "trained_trajectories": len(batch_trajectories),
             "rollouts": len(all_trajectories),
             **({"allocation/retired_tasks": self.allocator.retired_count()} if self.allocator is not None else {}),

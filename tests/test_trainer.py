@@ -233,3 +233,30 @@ def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
     config.allocation.task_pool = 0
     with pytest.raises(ValueError, match="allocation.strategy='knapsack' needs a revisited task pool"):
         trainer.Trainer(config, str(tmp_path / "other"), quiet=True)
+
+
+def test_until_mixed_sampling_spends_the_iteration_budget_in_rounds(tmp_path):
+    config = tiny_config(tmp_path)
+    config.allocation.strategy = "until_mixed"
+    config.allocation.task_pool = 6
+    config.rollout.group_size = 4  # rounds of 2 rollouts; budget 3 x 4 = 12 per iteration
+    # DAPO's overlong penalty ramping over the whole context: -L / 200 for an episode of L tokens.
+    config.reward.overlong_factor = 1.0
+    config.reward.overlong_buffer = 200
+    config.rl.iterations = 2
+    config.sft.steps = 1
+    config.eval.every = 100
+    config.eval.pass_k = 0
+    config.metrics.tensorboard = False
+    path = trainer.train_and_evaluate(config, quiet=True)
+    rl = [json.loads(line) for line in open(path) if '"stage": "rl"' in line]
+    for record in rl:
+        assert record["rollouts"] == 12
+        # At least 3 tasks (round 1); at most 6 (all mixed after their first 2 rollouts).
+        assert 3 <= record["groups"] <= 6
+        assert record["reward/overlong"] == pytest.approx(-record["generated_tokens"] / 12 / 200, rel=1e-6)
+        assert "reward/success" in record and record["reward/overlong"] < 0
+
+    config.rollout.schedule = "async"
+    with pytest.raises(ValueError, match="until_mixed.*needs rollout.schedule='sync'"):
+        trainer.Trainer(config, str(tmp_path / "other"), quiet=True)

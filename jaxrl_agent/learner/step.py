@@ -67,13 +67,18 @@ def sequence_logprobs(config: models.ModelConfig, params, batch: PackedBatch, *,
                       with_entropy: bool = False):
     """log pi(tokens[b, t]) from logits[b, t-1], 0 at t = 0; optionally the per-token entropy. [B, T]."""
     logits = models.forward(config, params, batch.tokens, batch.positions, batch.segment_ids)
-    logits = logits[:, :-1].astype(jnp.float32) / temperature
-    logp = models.token_logprobs(logits, batch.tokens[:, 1:])
+    logits = logits[:, :-1].astype(jnp.float32)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if with_entropy:
+        # One fused pass over the vocabulary for both (see models.token_logprobs_and_entropy).
+        logp, entropy = models.token_logprobs_and_entropy(logits, batch.tokens[:, 1:])
+    else:
+        logp, entropy = models.token_logprobs(logits, batch.tokens[:, 1:]), None
     pad = jnp.zeros_like(logp[:, :1])
     logp = jnp.concatenate([pad, logp], axis=1)
-    if not with_entropy:
-        return logp, None
-    entropy = jnp.concatenate([pad, losses.entropy_from_logits(logits)], axis=1)
+    if entropy is not None:
+        entropy = jnp.concatenate([pad, entropy], axis=1)
     return logp, entropy
 
 

@@ -21,6 +21,7 @@ from jaxrl_agent.models.transformer import (
     prefill,
     rope_inverse_frequencies,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "rope_inverse_frequencies",
     "save_hf",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]

@@ -34,6 +34,9 @@ from typing import Sequence
 import numpy as np
 
 STRATEGIES = ("uniform", "variance", "knapsack")
+# Strategies of the trainer's task allocator: the rules above, plus Reinforce-Ada's sequential
+# sampling, which decides group sizes while sampling (see `until_mixed_done`).
+ALLOCATOR_STRATEGIES = STRATEGIES + ("until_mixed",)
 
 
 @dataclasses.dataclass
@@ -177,8 +180,8 @@ class TaskAllocator:
                  min_group: int | None = None, max_group: int = 16, decay: float = 0.9,
                  retire_threshold: float = 0.95, retire_min_evidence: float = 8.0, revisit_prob: float = 0.05,
                  seed: int = 0):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"allocation strategy {strategy!r}; expected one of {STRATEGIES}")
+        if strategy not in ALLOCATOR_STRATEGIES:
+            raise ValueError(f"allocation strategy {strategy!r}; expected one of {ALLOCATOR_STRATEGIES}")
         if not tasks:
             raise ValueError("the task pool is empty")
         if candidates < 1.0:
@@ -200,18 +203,26 @@ class TaskAllocator:
     def retired_count(self) -> int:
         return sum(self.posterior.retired(t.id, self.retire_threshold, self.retire_min_evidence) for t in self.tasks)
 
+    def draw(self, n: int, exclude: Sequence[str] = ()) -> list:
+        """n distinct tasks drawn uniformly from the active pool (retired ones with revisit_prob)."""
+        excluded = set(exclude)
+        active = [t for t in self.tasks if t.id not in excluded and (
+            not self.posterior.retired(t.id, self.retire_threshold, self.retire_min_evidence)
+            or self.rng.rand() < self.revisit_prob)]
+        if not active:
+            active = [t for t in self.tasks if t.id not in excluded]
+        picks = self.rng.choice(len(active), size=min(n, len(active)), replace=False)
+        return [active[i] for i in picks]
+
     def propose(self, num_groups: int) -> list[tuple[object, int]]:
-        """[(task, rollouts)] for a budget of num_groups * group_size rollouts."""
+        """[(task, rollouts)] for a budget of num_groups * group_size rollouts (`until_mixed`: the
+        first round, min_group rollouts for each of num_groups tasks; the trainer adds rounds)."""
         if num_groups <= 0:
             return []
-        active = [t for t in self.tasks
-                  if not self.posterior.retired(t.id, self.retire_threshold, self.retire_min_evidence)
-                  or self.rng.rand() < self.revisit_prob]
-        if not active:
-            active = self.tasks
+        if self.strategy == "until_mixed":
+            return [(task, self.min_group) for task in self.draw(num_groups)]
         wanted = num_groups if self.strategy == "uniform" else int(math.ceil(self.candidates * num_groups))
-        picks = self.rng.choice(len(active), size=min(wanted, len(active)), replace=False)
-        chosen = [active[i] for i in picks]
+        chosen = self.draw(wanted)
         p = [self.posterior.mean(t.id) for t in chosen]
         counts = allocate(self.strategy, p, num_groups * self.group_size, group_size=self.group_size,
                           min_group=self.min_group, max_group=max(self.max_group, self.min_group))

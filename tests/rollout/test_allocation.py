@@ -129,3 +129,12 @@ def test_allocator_state_round_trips():
         al.TaskAllocator(pool, "greedy", 2)
     with pytest.raises(ValueError, match="empty"):
         al.TaskAllocator([], "uniform", 2)
+
+
+def test_allocator_until_mixed_first_round_and_draws_excluding_seen_tasks():
+    pool = _pool(6)
+    allocator = al.TaskAllocator(pool, "until_mixed", 4, min_group=2, seed=1)
+    first = allocator.propose(3)
+    assert [n for _, n in first] == [2, 2, 2]
+    fresh = allocator.draw(5, exclude=[t.id for t, _ in first])
+    assert len(fresh) == 3 and not {t.id for t in fresh} & {t.id for t, _ in first}
