@@ -1,13 +1,15 @@
 """Rollout allocation strategies at an equal rollout budget: learning-signal density and success.
 
   python benchmarks/allocation_strategies.py --workdir /tmp/allocation [--sft_steps 200]
-      [--iterations 30] [--task_pool 256] [--strategies uniform,variance,knapsack]
+      [--iterations 30] [--task_pool 256] [--strategies uniform,variance,knapsack,until_mixed]
+      [--eval_tasks 64]
 
 One SFT cold start is trained once; every strategy then runs the same number of synchronous RL
 iterations from that checkpoint (the launcher with `--config.resume=True`), each iteration spending
 the same budget of prompts_per_iteration x group_size rollouts on a fixed pool of `task_pool`
 mixed-difficulty training tasks (d1-d3) that is revisited. `uniform` draws tasks uniformly from the
-pool; the adaptive strategies choose among twice as many candidates by their success posteriors.
+pool; `variance` and `knapsack` choose among twice as many candidates by their success posteriors;
+`until_mixed` samples rounds of G/2 rollouts per task until its outcomes differ (Reinforce-Ada).
 Printed: mean share of groups with non-zero advantage (and its ratio to uniform), mean trained
 trajectories per iteration, and held-out success at the end.
 """
@@ -46,7 +48,8 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=200)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--task_pool", type=int, default=256)
-    parser.add_argument("--strategies", default="uniform,variance,knapsack")
+    parser.add_argument("--strategies", default="uniform,variance,knapsack,until_mixed")
+    parser.add_argument("--eval_tasks", type=int, default=64, help="held-out tasks per difficulty")
     args = parser.parse_args()
 
     sft_dir = os.path.join(args.workdir, "sft")
@@ -55,7 +58,8 @@ def main() -> None:
         print(f"SFT cold start: {seconds:.0f} s", flush=True)
     common = [f"--config.sft.steps={args.sft_steps}", "--config.resume=True",
               f"--config.rl.iterations={args.iterations}", f"--config.eval.every={args.iterations}",
-              f"--config.allocation.task_pool={args.task_pool}"]
+              f"--config.allocation.task_pool={args.task_pool}",
+              f"--config.eval.tasks_per_difficulty={args.eval_tasks}"]
     rows = []
     for strategy in args.strategies.split(","):
         workdir = os.path.join(args.workdir, strategy)
