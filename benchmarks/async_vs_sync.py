@@ -13,14 +13,11 @@ the mean learner idle time (waiting for rollouts) and sampler idle time per iter
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
-import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import launcher_runs
+from launcher_runs import records
 
 VARIANTS = {
     "sync": [],
@@ -35,17 +32,7 @@ VARIANTS = {
 
 
 def launch(workdir: str, flags: list[str]) -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), "--config",
-                    os.path.join(ROOT, "configs", "calculator_tiny.py"), f"--config.workdir={workdir}",
-                    "--config.metrics.tensorboard=False", *flags], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
-
-
-def records(workdir: str) -> list[dict]:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return launcher_runs.launch(workdir, ["--config.metrics.tensorboard=False", *flags])
 
 
 def main() -> None:

@@ -12,29 +12,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
-import subprocess
-import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import launcher_runs
+from launcher_runs import records
 
 
 def launch(workdir: str, flags: list[str]) -> float:
     shutil.rmtree(workdir, ignore_errors=True)
-    started = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), "--config",
-                    os.path.join(ROOT, "configs", "calculator_tiny.py"), f"--config.workdir={workdir}",
-                    *flags], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
-
-
-def records(workdir: str) -> list[dict]:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return launcher_runs.launch(workdir, flags)
 
 
 def levels(record: dict) -> dict[str, float]:

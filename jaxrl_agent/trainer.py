@@ -474,27 +474,20 @@ class Trainer:
         budget = r.prompts_per_iteration * r.group_size
         merged: dict[str, list] = {}
         tasks: dict[str, Any] = {}
-        batch = allocator.propose(r.prompts_per_iteration)
+        batch = [task for task, _ in allocator.propose(r.prompts_per_iteration)]
         spent = 0
         while batch:
-            indices = runner.submit([t for t, _ in batch], [n for _, n in batch])
-            spent += sum(n for _, n in batch)
+            indices = runner.submit(batch, [step] * len(batch))
+            spent += step * len(batch)
             runner.wait(runner.quiescent)
-            for (task, _), group in zip(batch, runner.take(indices)):
+            for task, group in zip(batch, runner.take(indices)):
                 tasks[task.id] = task
                 merged.setdefault(task.id, []).extend(group)
-            batch = []
-            for task_id, group in merged.items():
-                if spent + step > budget:
-                    break
-                if not rollout.allocation.until_mixed_done([_success(t) for t in group], cap):
-                    batch.append((tasks[task_id], step))
-                    spent += step
-            if not batch and spent + step <= budget:
-                fresh = allocator.draw((budget - spent) // step, exclude=list(merged))
-                batch = [(task, step) for task in fresh]
-                spent += step * len(batch)
-            spent -= sum(n for _, n in batch)  # counted again when submitted
+            rounds_left = (budget - spent) // step
+            batch = [tasks[task_id] for task_id, group in merged.items()
+                     if not rollout.allocation.until_mixed_done([_success(t) for t in group], cap)][:rounds_left]
+            if not batch and rounds_left:
+                batch = allocator.draw(rounds_left, exclude=list(merged))
         return list(merged.values())
 
     def _shape_rewards(self, trajectories, iteration: int) -> None:
