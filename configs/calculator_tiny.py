@@ -66,6 +66,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.max_prefill_length = 128  # Longest prompt in tokens (power of two); longer ones are rejected.
     config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
+    # Prefix cache: finished requests whose keys/values are kept, so that an episode's next turn
+    # (its whole history as the prompt) prefills only the new tokens; 0 = off. Each entry costs
+    # 2 * num_layers * num_kv_heads * max_cache_length * head_dim activations (128 KiB here).
+    config.sampler.prefix_cache_entries = 256
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
     # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
     # this host, fed new weights over gRPC after every update.

@@ -52,6 +52,7 @@ def get_config():
     config.sampler.max_prefill_length = 1024  # Longest prompt (power of two).
     config.sampler.max_cache_length = 1024  # Tokens per slot.
     config.sampler.steps_per_call = 8  # Decode steps per generate call.
+    config.sampler.prefix_cache_entries = 32  # ~117 MiB each in bfloat16 at this cache length.
     config.rollout.include_system_prompt = True  # The tool description, as real agents see it.
     config.rollout.max_tokens_per_turn = 256  # Longest assistant turn.
     config.rollout.max_context = 1024  # Longest episode (<= learner.row_length).

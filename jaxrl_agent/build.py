@@ -55,6 +55,7 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
         max_prefill_length=config.sampler.max_prefill_length,
         max_cache_length=config.sampler.max_cache_length,
         steps_per_call=config.sampler.steps_per_call,
+        prefix_cache_entries=config.sampler.prefix_cache_entries,
         version=version, seed=config.seed,
     )
 

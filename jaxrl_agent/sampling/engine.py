@@ -97,6 +97,9 @@ class DecodeState(flax.struct.PyTreeNode):
     top_k: jax.Array  # [B]
     top_p: jax.Array  # [B]
     rng: jax.Array
+    # Prefix cache: per layer [M, K, S, D] keys/values of finished requests' token sequences,
+    # copied back into a slot when a later prompt continues one (see `extend_insert_many`).
+    pool: models.KVCache
 
 
 def result_columns(steps: int) -> dict[str, tuple[int, int]]:
@@ -160,12 +163,14 @@ class AgentEngine(engine_api.Engine):
       steps_per_call: decode steps per `generate` call (amortises per-call overhead).
       stop_token_ids: ids that end a sample (default: the tokenizer's eos).
       version: policy version of `params`.
+      prefix_cache_entries: M, finished sequences whose keys/values are kept (in the decode
+        state) so that a prompt continuing one prefills only its new tokens; 0 = off.
     """
 
     def __init__(self, config: models.ModelConfig, params, tokenizer, *, max_concurrent_decodes: int = 8,
                  max_prefill_length: int = 256, max_cache_length: int | None = None, steps_per_call: int = 4,
                  stop_token_ids: Sequence[int] | None = None, version: int = 0, seed: int = 0,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, prefix_cache_entries: int = 0):
         if max_prefill_length < MIN_PREFILL_BUCKET or max_prefill_length & (max_prefill_length - 1):
             raise ValueError(f"max_prefill_length must be a power of two >= {MIN_PREFILL_BUCKET}, got {max_prefill_length}")
         self.config = config
@@ -182,10 +187,15 @@ class AgentEngine(engine_api.Engine):
         self._params = params
         self._version = int(version)
         self._seed = seed
+        if prefix_cache_entries < 0:
+            raise ValueError(f"prefix_cache_entries must be >= 0, got {prefix_cache_entries}")
+        self.prefix_cache_entries = int(prefix_cache_entries)
         self._prefill_fn = jax.jit(functools.partial(_prefill, config))
         self._insert_fn = jax.jit(_insert, donate_argnums=(1,))
         self._free_fn = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask), donate_argnums=(0,))
         self._prefill_insert_fn = jax.jit(functools.partial(_prefill_insert_many, config, seed), donate_argnums=(1,))
+        self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,))
+        self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
         self._generate_fn = jax.jit(
             functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
             donate_argnums=(1,))
@@ -242,14 +252,15 @@ class AgentEngine(engine_api.Engine):
         return self._insert_fn(prefix, decode_state, jnp.int32(slot))
 
     def prefill_insert_many(self, prompts: Sequence[np.ndarray], samplings: Sequence[SamplingParams],
-                            decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+                            decode_state: DecodeState, slots: Sequence[int], *,
+                            params_version: tuple[Any, int] | None = None) -> DecodeState:
         """Prefills several prompts in one batched call and inserts them into `slots`.
 
         Equivalent to `insert(prefill(...), state, slot)` per prompt (same tokens, log-probs and
         cache contents), but one forward pass for all: with hundreds of short requests, per-request
         prefill dominated the sampler's time on CPU. The batch is padded to a power-of-two count of
         rows (at least 8; padded rows are dropped) and of tokens (at least 32), so that few shapes
-        are ever compiled.
+        are ever compiled. `params_version` (from `current_params()`) pins the weights used.
         """
         n = len(prompts)
         if not n == len(samplings) == len(slots):
@@ -267,12 +278,64 @@ class AgentEngine(engine_api.Engine):
         temperature = np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)
         top_k = np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)
         top_p = np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)
-        params, version = self.current_params()
+        params, version = params_version or self.current_params()
         counts = np.arange(self._prefill_count + 1, self._prefill_count + rows + 1, dtype=np.uint32)
         self._prefill_count += n
         return self._prefill_insert_fn(params, decode_state, jnp.asarray(tokens), jnp.asarray(true_lengths),
                                        jnp.asarray(counts), jnp.asarray(temperature), jnp.asarray(top_k),
                                        jnp.asarray(top_p), jnp.int32(version), jnp.asarray(slot_ids))
+
+    def extend_insert_many(self, entries: Sequence[int], starts: Sequence[int], suffixes: Sequence[np.ndarray],
+                           samplings: Sequence[SamplingParams], decode_state: DecodeState, slots: Sequence[int], *,
+                           params_version: tuple[Any, int] | None = None) -> DecodeState:
+        """Continues cached prefixes: row i takes prefix-cache entry `entries[i]` (whose first
+        `starts[i]` positions hold the keys/values of the prompt's first `starts[i]` tokens), runs
+        only `suffixes[i]` (the rest of the prompt) at positions starts[i]..., samples the first
+        new token, and inserts the row into `slots[i]`.
+
+        Equivalent to `prefill_insert_many` on the whole prompts (same sampling stream; keys and
+        values equal up to float rounding) when the entries were computed with the same weights —
+        the caller's `PrefixIndex` guarantees that by versioning its entries.
+        """
+        n = len(entries)
+        if not n == len(starts) == len(suffixes) == len(samplings) == len(slots):
+            raise ValueError(f"{n} entries, {len(starts)} starts, {len(suffixes)} suffixes, {len(samplings)} "
+                             f"sampling params and {len(slots)} slots differ")
+        if not 0 < n or self.prefix_cache_entries == 0:
+            raise ValueError("extend_insert_many needs rows and an engine with prefix_cache_entries > 0")
+        lengths = [int(np.asarray(x).size) for x in suffixes]
+        if min(lengths) < 1:
+            raise ValueError("every suffix needs at least one token (the position whose logits sample next)")
+        for start, length in zip(starts, lengths):
+            if start < 1 or start + length > self.max_cache_length:
+                raise ValueError(f"prefix of {start} + suffix of {length} tokens does not fit "
+                                 f"max_cache_length={self.max_cache_length}")
+        bucket = self.bucket_length(max(lengths))
+        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
+        tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
+        for i, x in enumerate(suffixes):
+            tokens[i, :lengths[i]] = np.asarray(x, np.int32).reshape(-1)
+        pad = rows - n
+        params, version = params_version or self.current_params()
+        counts = np.arange(self._prefill_count + 1, self._prefill_count + rows + 1, dtype=np.uint32)
+        self._prefill_count += n
+        return self._extend_insert_fn(
+            params, decode_state, jnp.asarray(np.asarray(list(entries) + [0] * pad, np.int32)),
+            jnp.asarray(np.asarray(list(starts) + [0] * pad, np.int32)), jnp.asarray(tokens),
+            jnp.asarray(np.asarray(lengths + [1] * pad, np.int32)), jnp.asarray(counts),
+            jnp.asarray(np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)),
+            jnp.asarray(np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)),
+            jnp.asarray(np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)),
+            jnp.int32(version), jnp.asarray(np.asarray(list(slots) + [self._slots] * pad, np.int32)))
+
+    def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int]) -> DecodeState:
+        """Copies the keys/values of `slots` into prefix-cache `entries` (before the slots are reused)."""
+        if len(slots) != len(entries):
+            raise ValueError(f"{len(slots)} slots and {len(entries)} entries differ")
+        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(len(slots), 1)))))
+        pad = rows - len(slots)
+        return self._save_fn(decode_state, jnp.asarray(np.asarray(list(slots) + [0] * pad, np.int32)),
+                             jnp.asarray(np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32)))
 
     def generate(self, params, decode_state: DecodeState):
         del params
@@ -302,6 +365,7 @@ class AgentEngine(engine_api.Engine):
             position=zeros_i(), generated=zeros_i(), active=jnp.zeros((b,), bool),
             temperature=jnp.ones((b,), jnp.float32), top_k=zeros_i(), top_p=jnp.ones((b,), jnp.float32),
             rng=jax.random.PRNGKey(self._seed + 1),
+            pool=models.init_cache(self.config, self.prefix_cache_entries, self.max_cache_length),
         )
 
     def get_prefix_destination_sharding(self) -> Any:
@@ -353,6 +417,39 @@ def _prefill_insert_many(config, seed, params, state: DecodeState, tokens, true_
     n, p = tokens.shape
     cache = models.init_cache(config, n, p)
     logits, cache = models.prefill(config, params, tokens, cache)
+    return _sample_and_insert(seed, state, logits, cache, true_lengths, true_lengths, counts, temperature, top_k,
+                              top_p, version, slots)
+
+
+def _extend_insert_many(config, seed, params, state: DecodeState, entries, starts, tokens, true_lengths, counts,
+                        temperature, top_k, top_p, version, slots) -> DecodeState:
+    """Rows start from prefix-cache entries [N] holding `starts` [N] positions; tokens [N, T] (the
+    right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them."""
+    n, t = tokens.shape
+    s = state.cache.max_length
+    # Room for T positions past the last slot position: a padded suffix never writes out of bounds
+    # (dynamic_update_slice would clamp its start instead); the rows are cut back to S on insert.
+    rows = models.KVCache(*(tuple(jnp.pad(c[entries], ((0, 0), (0, 0), (0, t), (0, 0))) for c in caches)
+                            for caches in (state.pool.k, state.pool.v)))
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    logits, cache = models.extend(config, params, tokens, positions, rows)
+    cache = models.KVCache(*(tuple(c[:, :, :s] for c in caches) for caches in (cache.k, cache.v)))
+    return _sample_and_insert(seed, state, logits, cache, true_lengths, starts + true_lengths, counts, temperature,
+                              top_k, top_p, version, slots)
+
+
+def _save_prefixes(state: DecodeState, slots, entries) -> DecodeState:
+    """pool[entries[i]] = cache[slots[i]] per layer (an entry index >= M drops the row)."""
+    put = lambda pool, cache: tuple(p.at[entries].set(c[slots], mode="drop") for p, c in zip(pool, cache))
+    return state.replace(pool=models.KVCache(put(state.pool.k, state.cache.k), put(state.pool.v, state.cache.v)))
+
+
+def _sample_and_insert(seed, state: DecodeState, logits, cache, true_lengths, positions, counts, temperature, top_k,
+                       top_p, version, slots) -> DecodeState:
+    """Samples each row's first token from its logits at true_lengths - 1 and puts the row's cache
+    (length P <= S, copied into the slot's first P positions) and sampling state into `slots`;
+    `positions` [N] is where that first token will sit."""
+    n, p = logits.shape[0], cache.max_length
     last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [N, V]
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
@@ -370,7 +467,7 @@ def _prefill_insert_many(config, seed, params, state: DecodeState, tokens, true_
         next_token=at(state.next_token, token),
         next_logprob=at(state.next_logprob, logprob),
         next_version=at(state.next_version, jnp.broadcast_to(version, (n,))),
-        position=at(state.position, true_lengths),
+        position=at(state.position, positions),
         generated=at(state.generated, jnp.zeros((n,), jnp.int32)),
         active=at(state.active, jnp.ones((n,), bool)),
         temperature=at(state.temperature, temperature),

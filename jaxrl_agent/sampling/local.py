@@ -20,6 +20,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from jaxrl_agent.sampling.engine import AgentEngine, PromptTooLongError, SamplingParams, decode_result_row
+from jaxrl_agent.sampling.prefix_cache import PrefixIndex
 
 FINISH_REASONS = ("stop", "length", "context_limit")
 
@@ -102,24 +103,46 @@ def check_prompt(engine: AgentEngine, prompt_ids: Sequence[int]) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def _by_bucket(engine: AgentEngine, items: list, length) -> list[list]:
+    """`items` grouped by the prefill bucket of `length(item)` (prompts that are too long form a
+    group of their own and fail there)."""
+    groups: dict[int, list] = {}
+    for item in items:
+        try:
+            bucket = engine.bucket_length(length(item))
+        except PromptTooLongError:
+            bucket = -1
+        groups.setdefault(bucket, []).append(item)
+    return list(groups.values())
+
+
 @dataclasses.dataclass
 class _Request:
     prompt: np.ndarray
     sampling: SamplingParams
     future: concurrent.futures.Future
     builder: CompletionBuilder
+    version: int = -1  # the policy version its prompt was prefilled with
 
 
 class LocalSampler:
-    """Continuous batching over an AgentEngine in a background thread."""
+    """Continuous batching over an AgentEngine in a background thread.
+
+    With `engine.prefix_cache_entries > 0`, a prompt that continues a finished request (the next
+    turn of an episode) prefills only its new tokens (see `sampling.prefix_cache`).
+    """
 
     def __init__(self, engine: AgentEngine):
         self.engine = engine
         self._pending: collections.deque[_Request] = collections.deque()
         self._wake = threading.Condition()
         self._stopped = False
-        # idle_seconds: time the decode loop had no request at all (the sampler's idle time).
-        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0}
+        self.prefix_index = PrefixIndex(engine.prefix_cache_entries)
+        # idle_seconds: time the decode loop had no request at all (the sampler's idle time);
+        # prefill_tokens: prompt tokens run through the model; reused_tokens: taken from the
+        # prefix cache instead.
+        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0,
+                      "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0}
         self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
         self._thread.start()
 
@@ -176,23 +199,7 @@ class LocalSampler:
                 while free and self._pending:
                     admitted.append((free.pop(), self._pending.popleft()))
             if admitted:
-                try:  # one batched prefill for everything admitted now
-                    state = engine.prefill_insert_many([r.prompt for _, r in admitted],
-                                                       [r.sampling for _, r in admitted], state,
-                                                       [slot for slot, _ in admitted])
-                    slots.update(admitted)
-                    admitted = []
-                except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
-                    pass
-            for slot, request in admitted:
-                try:
-                    prefix = engine.prefill(padded_tokens=request.prompt, true_length=len(request.prompt),
-                                            sampling=request.sampling)
-                    state = engine.insert(prefix, state, slot)
-                    slots[slot] = request
-                except Exception as err:  # noqa: BLE001 - a bad request fails alone
-                    request.future.set_exception(err)
-                    free.append(slot)
+                state = self._admit(state, admitted, slots, free)
             if not slots:
                 continue
             try:
@@ -204,6 +211,7 @@ class LocalSampler:
                     free.append(slot)
                 slots.clear()
                 state = engine.init_decode_state()
+                self.prefix_index = PrefixIndex(engine.prefix_cache_entries)  # the new state's pool is empty
                 continue
             self.stats["generate_calls"] += 1
             finished = []
@@ -214,9 +222,81 @@ class LocalSampler:
                 if request.builder.finish_reason is not None:
                     finished.append(slot)
             if finished:
+                state = self._save_prefixes(state, [(slot, slots[slot]) for slot in finished])
                 state = engine.free_slots(state, finished)
             for slot in finished:
                 request = slots.pop(slot)
                 free.append(slot)
                 self.stats["requests"] += 1
                 request.future.set_result(request.builder.completion())
+
+    def _admit(self, state, admitted: list[tuple[int, _Request]], slots: dict, free: list):
+        """Prefills the admitted requests into their slots: one batched call for the prompts that
+        continue a cached prefix (only their new tokens run), one for the rest."""
+        engine = self.engine
+        params_version = engine.current_params()
+        version = params_version[1]
+        fresh, continued = [], []
+        for slot, request in admitted:
+            request.version = version
+            hit = self.prefix_index.lookup(request.prompt, version) if engine.prefix_cache_entries else None
+            if hit is None:
+                fresh.append((slot, request))
+            else:
+                continued.append((slot, request, hit))
+        failed = []
+        # One batched call per length bucket: a batch is padded to its longest prompt, and one long
+        # prompt (say, an error message as the observation) would otherwise pad every row to it.
+        for group in _by_bucket(engine, continued, lambda item: item[1].prompt.size - item[2][1]):
+            try:
+                state = engine.extend_insert_many(
+                    [entry for _, _, (entry, _) in group], [start for _, _, (_, start) in group],
+                    [r.prompt[start:] for _, r, (_, start) in group], [r.sampling for _, r, _ in group],
+                    state, [slot for slot, _, _ in group], params_version=params_version)
+                for slot, request, (_, start) in group:
+                    slots[slot] = request
+                    self.stats["prefix_hits"] += 1
+                    self.stats["reused_tokens"] += start
+                    self.stats["prefill_tokens"] += request.prompt.size - start
+            except Exception:  # noqa: BLE001 - fall back to prefilling the whole prompts
+                fresh += [(slot, request) for slot, request, _ in group]
+        for group in _by_bucket(engine, fresh, lambda item: item[1].prompt.size):
+            try:
+                state = engine.prefill_insert_many([r.prompt for _, r in group], [r.sampling for _, r in group],
+                                                   state, [slot for slot, _ in group], params_version=params_version)
+                for slot, request in group:
+                    slots[slot] = request
+                    self.stats["prefill_tokens"] += request.prompt.size
+            except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
+                failed += group
+        for slot, request in failed:
+            try:
+                prefix = engine.prefill(padded_tokens=request.prompt, true_length=len(request.prompt),
+                                        sampling=request.sampling)
+                state = engine.insert(prefix, state, slot)
+                slots[slot] = request
+                self.stats["prefill_tokens"] += request.prompt.size
+            except Exception as err:  # noqa: BLE001 - a bad request fails alone
+                request.future.set_exception(err)
+                free.append(slot)
+        return state
+
+    def _save_prefixes(self, state, finished: list[tuple[int, _Request]]):
+        """Keeps the keys/values of requests that finished normally, all of whose tokens were
+        sampled by the version their prompt was prefilled with, for a continuing prompt."""
+        engine = self.engine
+        if not engine.prefix_cache_entries:
+            return state
+        save_slots, entries = [], []
+        for slot, request in finished:
+            builder = request.builder
+            length = request.prompt.size + len(builder.tokens)
+            if builder.finish_reason not in ("stop", "length") or length >= engine.max_cache_length \
+                    or any(v != request.version for v in builder.versions):
+                continue
+            entry = self.prefix_index.store(np.concatenate([request.prompt, np.asarray(builder.tokens, np.int32)]),
+                                            request.version)
+            if entry is not None:
+                save_slots.append(slot)
+                entries.append(entry)
+        return engine.save_prefixes(state, save_slots, entries) if save_slots else state

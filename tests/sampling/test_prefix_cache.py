@@ -1,0 +1,112 @@
+"""The prefix cache: a prompt continuing a finished request prefills only its new tokens, and the
+tokens and log-probs it samples are those of a full prefill."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_agent.sampling import LocalSampler, SamplingParams
+from jaxrl_agent.sampling.prefix_cache import PrefixIndex
+from tests.sampling.test_engine import PARAMS, TOKENIZER, _engine, _greedy_reference
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
+
+
+def _episode(sampler, prompt, observations, sampling=GREEDY):
+    """A multi-turn exchange: each next prompt is the whole history plus an observation."""
+    history, completions = list(prompt), []
+    for observation in observations + [""]:
+        completion = sampler.generate_many([history], sampling)[0]
+        completions.append(completion)
+        history += list(completion.token_ids) + TOKENIZER.encode(observation)
+    return completions
+
+
+def test_prefix_index_finds_the_longest_stored_prefix_and_evicts_continued_entries_first():
+    index = PrefixIndex(3)
+    a = index.store([1, 2, 3], version=0)
+    b = index.store([1, 2, 3, 4, 5], version=0)
+    c = index.store([4, 4], version=0)
+    assert index.lookup([1, 2, 3, 4, 5, 6], version=0) == (b, 5)
+    assert index.lookup([1, 2, 3, 9], version=0) == (a, 3)
+    assert index.lookup([1, 2, 3], version=0) == (a, 2)  # the last prompt token must still run
+    assert index.lookup([7, 1, 2, 3], version=0) is None
+    d = index.store([8, 8], version=0)  # evicts a, the entry continued last; then b; c stays
+    e = index.store([9, 9], version=0)
+    assert {d, e} == {a, b} and index.lookup([4, 4, 1], version=0) == (c, 2)
+    assert index.lookup([1, 2, 3, 4, 5, 6], version=0) is None
+    assert index.store([9], version=-1) is None  # older weights than the index holds
+    assert index.lookup([8, 8, 1], version=1) is None and len(index) == 0  # new weights: all invalid
+    assert PrefixIndex(0).store([1, 2], version=0) is None
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_continued_turns_sample_exactly_what_a_full_prefill_samples(steps_per_call):
+    observations = [" -> 42\n", "go: "]
+    with LocalSampler(_engine(steps_per_call=steps_per_call)) as plain:
+        expected = _episode(plain, TOKENIZER.encode("Q: 6*7=?"), observations)
+        assert plain.stats["reused_tokens"] == 0
+    with LocalSampler(_engine(steps_per_call=steps_per_call, prefix_cache_entries=4)) as cached:
+        got = _episode(cached, TOKENIZER.encode("Q: 6*7=?"), observations)
+        assert cached.stats["prefix_hits"] == 2 and cached.stats["reused_tokens"] > 0
+        assert cached.stats["prefill_tokens"] + cached.stats["reused_tokens"] == plain.stats["prefill_tokens"]
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids and g.finish_reason == e.finish_reason
+        np.testing.assert_allclose(g.logprobs, e.logprobs, atol=1e-5)
+    # And both against the full-forward reference for the last turn.
+    history = TOKENIZER.encode("Q: 6*7=?")
+    for completion, observation in zip(got[:-1], observations):
+        history += list(completion.token_ids) + TOKENIZER.encode(observation)
+    reference, reference_lps = _greedy_reference(history, 5)
+    assert list(got[-1].token_ids) == reference
+    np.testing.assert_allclose(got[-1].logprobs, reference_lps, atol=1e-5)
+
+
+@pytest.mark.parametrize("entries,hits", [(10, 10), (3, None)])
+def test_many_concurrent_episodes_share_slots_and_the_cache_without_cross_talk(entries, hits):
+    prompts = [TOKENIZER.encode(f"Q: {i}+{i}=?") for i in range(10)]
+    observations = [TOKENIZER.encode(f" [{i}] ") for i in range(10)]
+
+    def run(sampler):
+        first = sampler.generate_many(prompts, GREEDY)
+        second = sampler.generate_many([p + list(c.token_ids) + o for p, c, o in zip(prompts, first, observations)],
+                                       GREEDY)
+        return first, second
+
+    with LocalSampler(_engine()) as plain:
+        expected = run(plain)
+    # 10 episodes through 4 slots; with 3 entries, later finishers evict earlier ones' prefixes.
+    with LocalSampler(_engine(prefix_cache_entries=entries)) as cached:
+        got = run(cached)
+        if hits is not None:
+            assert cached.stats["prefix_hits"] == hits
+    for e_turn, g_turn in zip(expected, got):
+        for e, g in zip(e_turn, g_turn):
+            assert g.token_ids == e.token_ids
+            np.testing.assert_allclose(g.logprobs, e.logprobs, atol=1e-5)
+
+
+def test_new_weights_invalidate_the_cache_and_the_turn_uses_them():
+    new_params = jax.tree.map(lambda p: p * 1.5, PARAMS)
+    prompt = TOKENIZER.encode("Q: 2+2=?")
+    with LocalSampler(_engine(prefix_cache_entries=4)) as sampler:
+        first = sampler.generate_many([prompt], GREEDY)[0]
+        sampler.update_weights(new_params, 1)
+        second = sampler.generate_many([prompt + list(first.token_ids) + [5, 6]], GREEDY)[0]
+        assert sampler.stats["prefix_hits"] == 0
+    reference, reference_lps = _greedy_reference(prompt + list(first.token_ids) + [5, 6], 5, params=new_params)
+    assert list(second.token_ids) == reference and set(second.versions) == {1}
+    np.testing.assert_allclose(second.logprobs, reference_lps, atol=1e-5)
+
+
+def test_temperature_sampling_stream_is_unchanged_by_the_cache():
+    sampling = SamplingParams(temperature=1.0, max_tokens=6)
+    prompt = TOKENIZER.encode("Q: 3*3=?")
+    with LocalSampler(_engine(seed=3)) as plain:
+        expected = _episode(plain, prompt, [" 9 "], sampling)
+    with LocalSampler(_engine(seed=3, prefix_cache_entries=2)) as cached:
+        got = _episode(cached, prompt, [" 9 "], sampling)
+        assert cached.stats["prefix_hits"] == 1
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids
+        np.testing.assert_allclose(g.logprobs, e.logprobs, atol=1e-5)
