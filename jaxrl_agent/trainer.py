@@ -622,6 +622,26 @@ class Trainer:
         self.writer.close()
 
 
+def summarize(records: list[dict]) -> dict[str, float]:
+    """The run's headline, from its metrics records (all processes of a resumed run): held-out
+    success after the cold start (the last `sft_eval`, else the initial evaluation) and at the end
+    (the last evaluation of any stage), per level and overall, and the gain in points."""
+    evals = [r for r in records if r.get("stage") in ("initial_eval", "sft_eval", "rl_eval")]
+    if not evals:
+        return {}
+    cold = [r for r in evals if r["stage"] == "sft_eval"] or [r for r in evals if r["stage"] == "initial_eval"] \
+        or evals[:1]
+    before, after = cold[-1], evals[-1]
+    keys = [k for k in after if k.startswith("eval/pass@1/") or k == "eval/success"]
+    summary = {}
+    for key in keys:
+        name = key[len("eval/"):]
+        summary[f"after_sft/{name}"] = float(before.get(key, 0.0))
+        summary[f"final/{name}"] = float(after[key])
+    summary["gain_points"] = 100.0 * (summary.get("final/success", 0.0) - summary.get("after_sft/success", 0.0))
+    return summary
+
+
 def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = False) -> str:
     """Runs SFT then RL as configured; returns the path of the metrics file."""
     workdir = workdir or config.workdir
@@ -633,6 +653,14 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
             trainer.writer.write("initial_eval", 0, trainer.evaluate())
         trainer.run_sft()
         trainer.run_rl()
+        with open(trainer.writer.path) as f:
+            summary = summarize([json.loads(line) for line in f if line.strip()])
+        if summary:
+            trainer.writer.write("summary", trainer.version, summary)
+            if not quiet:
+                print(f"held-out success (greedy pass@1, levels {config.env.train_difficulties}): after SFT "
+                      f"{summary['after_sft/success']:.3f} -> final {summary['final/success']:.3f} "
+                      f"({summary['gain_points']:+.1f} points)", flush=True)
     finally:
         trainer.close()
     return trainer.writer.path

@@ -66,6 +66,12 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     # Demonstrations only from sft.difficulties; RL tasks from env.train_difficulties.
     sft_eval = next(r for r in records if r["stage"] == "sft_eval")
     assert sft_eval["step"] == 3
+    # The run ends with its headline: held-out success after SFT and at the end, and the gain.
+    summary = records[-1]
+    assert summary["stage"] == "summary" and stages.count("summary") == 1
+    assert summary["after_sft/success"] == sft_eval["eval/success"]
+    assert summary["final/pass@1/d4"] == evals[-1]["eval/pass@1/d4"]
+    assert summary["gain_points"] == pytest.approx(100 * (evals[-1]["eval/success"] - sft_eval["eval/success"]))
 
     # TensorBoard scalars carry the same numbers as metrics.jsonl.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -231,72 +231,90 @@ class LocalSampler:
                 request.future.set_result(request.builder.completion())
 
     def _admit(self, state, admitted: list[tuple[int, _Request]], slots: dict, free: list):
-        """Prefills the admitted requests into their slots: one batched call for the prompts that
-        continue a cached prefix (only their new tokens run), one for the rest."""
-        engine = self.engine
-        params_version = engine.current_params()
-        version = params_version[1]
-        fresh, continued = [], []
+        params_version = self.engine.current_params()
+        for _, request in admitted:
+            request.version = params_version[1]
+        state, errors = admit_requests(self.engine, self.prefix_index, state,
+                                       [(slot, r.prompt, r.sampling) for slot, r in admitted], params_version,
+                                       self.stats)
         for slot, request in admitted:
-            request.version = version
-            hit = self.prefix_index.lookup(request.prompt, version) if engine.prefix_cache_entries else None
-            if hit is None:
-                fresh.append((slot, request))
-            else:
-                continued.append((slot, request, hit))
-        failed = []
-        # One batched call per length bucket: a batch is padded to its longest prompt, and one long
-        # prompt (say, an error message as the observation) would otherwise pad every row to it.
-        for group in _by_bucket(engine, continued, lambda item: item[1].prompt.size - item[2][1]):
-            try:
-                state = engine.extend_insert_many(
-                    [entry for _, _, (entry, _) in group], [start for _, _, (_, start) in group],
-                    [r.prompt[start:] for _, r, (_, start) in group], [r.sampling for _, r, _ in group],
-                    state, [slot for slot, _, _ in group], params_version=params_version)
-                for slot, request, (_, start) in group:
-                    slots[slot] = request
-                    self.stats["prefix_hits"] += 1
-                    self.stats["reused_tokens"] += start
-                    self.stats["prefill_tokens"] += request.prompt.size - start
-            except Exception:  # noqa: BLE001 - fall back to prefilling the whole prompts
-                fresh += [(slot, request) for slot, request, _ in group]
-        for group in _by_bucket(engine, fresh, lambda item: item[1].prompt.size):
-            try:
-                state = engine.prefill_insert_many([r.prompt for _, r in group], [r.sampling for _, r in group],
-                                                   state, [slot for slot, _ in group], params_version=params_version)
-                for slot, request in group:
-                    slots[slot] = request
-                    self.stats["prefill_tokens"] += request.prompt.size
-            except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
-                failed += group
-        for slot, request in failed:
-            try:
-                prefix = engine.prefill(padded_tokens=request.prompt, true_length=len(request.prompt),
-                                        sampling=request.sampling)
-                state = engine.insert(prefix, state, slot)
-                slots[slot] = request
-                self.stats["prefill_tokens"] += request.prompt.size
-            except Exception as err:  # noqa: BLE001 - a bad request fails alone
-                request.future.set_exception(err)
+            if slot in errors:
+                request.future.set_exception(errors[slot])
                 free.append(slot)
+            else:
+                slots[slot] = request
         return state
 
     def _save_prefixes(self, state, finished: list[tuple[int, _Request]]):
-        """Keeps the keys/values of requests that finished normally, all of whose tokens were
-        sampled by the version their prompt was prefilled with, for a continuing prompt."""
-        engine = self.engine
-        if not engine.prefix_cache_entries:
-            return state
-        save_slots, entries = [], []
-        for slot, request in finished:
-            builder = request.builder
-            length = request.prompt.size + len(builder.tokens)
-            if builder.finish_reason not in ("stop", "length") or length >= engine.max_cache_length \
-                    or any(v != request.version for v in builder.versions):
-                continue
-            entry = self.prefix_index.store(np.concatenate([request.prompt, np.asarray(builder.tokens, np.int32)]),
-                                            request.version)
-            if entry is not None:
-                save_slots.append(slot)
-                entries.append(entry)
-        return engine.save_prefixes(state, save_slots, entries) if save_slots else state
+        kept = [(slot, np.concatenate([r.prompt, np.asarray(r.builder.tokens, np.int32)]), r.version)
+                for slot, r in finished if prefix_reusable(self.engine, r.prompt, r.builder, r.version)]
+        return save_prefixes(self.engine, self.prefix_index, state, kept)
+
+
+def admit_requests(engine: AgentEngine, index: PrefixIndex, state, items: list[tuple[int, np.ndarray, SamplingParams]],
+                   params_version, stats: dict) -> tuple[object, dict[int, Exception]]:
+    """Prefills `items` (slot, prompt ids, sampling) into their slots with the weights
+    `params_version`; returns the new decode state and {slot: error} for prompts that failed.
+
+    Prompts continuing a cached prefix run only their new tokens (`extend_insert_many`); the rest
+    are prefilled whole. One batched call per length bucket: a batch is padded to its longest
+    prompt, and one long prompt (an error message as the observation, say) would otherwise pad
+    every row to it. A failing batch is retried one prompt at a time, so a bad prompt fails alone.
+    """
+    version = params_version[1]
+    fresh, continued = [], []
+    for item in items:
+        hit = index.lookup(item[1], version) if engine.prefix_cache_entries else None
+        if hit is None:
+            fresh.append(item)
+        else:
+            continued.append((item, hit))
+    for group in _by_bucket(engine, continued, lambda c: c[0][1].size - c[1][1]):
+        try:
+            state = engine.extend_insert_many(
+                [entry for _, (entry, _) in group], [start for _, (_, start) in group],
+                [prompt[start:] for (_, prompt, _), (_, start) in group], [sampling for (_, _, sampling), _ in group],
+                state, [slot for (slot, _, _), _ in group], params_version=params_version)
+            for (_, prompt, _), (_, start) in group:
+                stats["prefix_hits"] += 1
+                stats["reused_tokens"] += start
+                stats["prefill_tokens"] += prompt.size - start
+        except Exception:  # noqa: BLE001 - fall back to prefilling the whole prompts
+            fresh += [item for item, _ in group]
+    failed = []
+    for group in _by_bucket(engine, fresh, lambda item: item[1].size):
+        try:
+            state = engine.prefill_insert_many([prompt for _, prompt, _ in group], [s for _, _, s in group], state,
+                                               [slot for slot, _, _ in group], params_version=params_version)
+            stats["prefill_tokens"] += sum(prompt.size for _, prompt, _ in group)
+        except Exception:  # noqa: BLE001 - retry one by one
+            failed += group
+    errors = {}
+    for slot, prompt, sampling in failed:
+        try:
+            prefix = engine.prefill(padded_tokens=prompt, true_length=len(prompt), sampling=sampling)
+            state = engine.insert(prefix, state, slot)
+            stats["prefill_tokens"] += prompt.size
+        except Exception as err:  # noqa: BLE001 - a bad request fails alone
+            errors[slot] = err
+    return state, errors
+
+
+def prefix_reusable(engine: AgentEngine, prompt: np.ndarray, builder: CompletionBuilder, version: int) -> bool:
+    """Whether a finished request's keys/values may serve a continuing prompt: it ended normally
+    (every token was run through the model), fits the cache with room to continue, and all its
+    tokens were sampled by the version its prompt was prefilled with."""
+    return (bool(engine.prefix_cache_entries) and builder.finish_reason in ("stop", "length")
+            and prompt.size + len(builder.tokens) < engine.max_cache_length
+            and all(v == version for v in builder.versions))
+
+
+def save_prefixes(engine: AgentEngine, index: PrefixIndex, state, finished: list[tuple[int, np.ndarray, int]]):
+    """Copies finished slots' keys/values into prefix-cache entries: (slot, its tokens, version)."""
+    save_slots, entries = [], []
+    for slot, tokens, version in finished:
+        entry = index.store(tokens, version)
+        if entry is not None:
+            save_slots.append(slot)
+            entries.append(entry)
+    return engine.save_prefixes(state, save_slots, entries) if save_slots else state

@@ -29,7 +29,8 @@ import numpy as np
 
 from jaxrl_agent.sampling.engine import AgentEngine, PromptTooLongError, SamplingParams, decode_result_row
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
-from jaxrl_agent.sampling.local import CompletionBuilder, check_prompt
+from jaxrl_agent.sampling.local import CompletionBuilder, admit_requests, check_prompt, prefix_reusable, save_prefixes
+from jaxrl_agent.sampling.prefix_cache import PrefixIndex
 
 engine_api, orchestrator, jetstream_pb2, jetstream_pb2_grpc, token_utils = import_jetstream()
 
@@ -57,12 +58,21 @@ class TokenChunk:
 
 
 class SamplerDriver(orchestrator.Driver):
-    """JetStream's Driver with our prefill thread (sampling params, no BOS, no truncation, bad
-    requests fail alone) and detokenize thread (log-probs, versions, finish reasons)."""
+    """JetStream's Driver with our prefill, generate and detokenize threads.
+
+    The prefill thread validates a request (ids, no BOS, no truncation, its sampling params); the
+    generate thread prefills the requests it admits in batches, continuing cached prefixes (as
+    `LocalSampler` does, through `local.admit_requests`), and decodes; the detokenize thread turns
+    rows into log-probs, versions and finish reasons, and hands finished slots whose keys/values a
+    next turn may reuse back to the generate thread (before the slot itself, so that they are
+    saved before the slot is reused). Bad requests fail alone.
+    """
 
     def __init__(self, engine: AgentEngine, default_sampling: SamplingParams):
         self.engine = engine
         self.default_sampling = default_sampling
+        self._finished_prefixes: queue.Queue = queue.Queue()  # (slot, tokens, version), detokenize -> generate
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0}
         super().__init__(prefill_engines=[engine], generate_engines=[engine], prefill_params=[None],
                          generate_params=[None], interleaved_mode=True)
 
@@ -84,7 +94,8 @@ class SamplerDriver(orchestrator.Driver):
                 ids = check_prompt(engine, ids)
                 sampling = getattr(request, "sampling", None) or dataclasses.replace(
                     self.default_sampling, max_tokens=max(1, request.max_tokens))
-                request.prefill_result = engine.prefill(padded_tokens=ids, true_length=len(ids), sampling=sampling)
+                # Prefilled by the generate thread, batched with the other requests it admits.
+                request.prompt_ids, request.sampling_params = ids, sampling
             except Exception as err:  # noqa: BLE001 - a bad request must not kill the server
                 log.warning("prefill failed: %s", err)
                 self._fail(request, f"{type(err).__name__}: {err}")
@@ -92,7 +103,7 @@ class SamplerDriver(orchestrator.Driver):
             self._transfer_backlogs[idx].put(request, block=True)
 
     def _generate_thread(self, idx: int):
-        """Inserts prefilled requests into free slots, then takes one decode step; repeats.
+        """Admits waiting requests into free slots (batched prefills), then takes one decode step; repeats.
 
         Replaces JetStream 0.2.2's loop, which asserts that some slot is busy after its insert
         phase: the detokenize thread can free the last busy slot in between, and the failed
@@ -104,6 +115,7 @@ class SamplerDriver(orchestrator.Driver):
         backlog = self._generate_backlogs[idx]
         detokenize = self._detokenize_backlogs[idx]
         decode_state = engine.init_decode_state()
+        index = PrefixIndex(engine.prefix_cache_entries)
         step = 0
         while self.live:
             free = []
@@ -112,25 +124,44 @@ class SamplerDriver(orchestrator.Driver):
                     free.append(slots.get(block=False))
                 except queue.Empty:
                     break
+            finished = []
+            while True:  # queued before their slots were: saved before the slots are reused
+                try:
+                    finished.append(self._finished_prefixes.get(block=False))
+                except queue.Empty:
+                    break
+            if finished:
+                decode_state = save_prefixes(engine, index, decode_state, finished)
             idle = len(free) == engine.max_concurrent_decodes
+            admitted = []
             while free:
                 prefill_pending = not self._prefill_backlog.empty() or not self._transfer_backlogs[idx].empty()
-                wait = idle or prefill_pending
+                wait = (idle and not admitted) or prefill_pending
                 try:
                     request = backlog.get(block=wait, timeout=1.0 if wait else None)
                 except queue.Empty:
-                    if idle and self.live:
+                    if idle and not admitted and self.live:
                         continue  # nothing to decode: keep waiting for work
                     break
                 if request is None:
                     return
-                slot = free.pop()
-                decode_state = engine.insert(request.prefill_result, decode_state, slot=slot)
-                request.prefill_result = None
-                request.generate_timestep_added = step
-                request.complete = np.zeros((engine.samples_per_slot,), np.bool_)
-                detokenize.put((slot, request), block=True)
-                idle = False
+                admitted.append((free.pop(), request))
+            if admitted:
+                params_version = engine.current_params()
+                decode_state, errors = admit_requests(
+                    engine, index, decode_state, [(slot, r.prompt_ids, r.sampling_params) for slot, r in admitted],
+                    params_version, self.stats)
+                for slot, request in admitted:
+                    if slot in errors:
+                        log.warning("prefill failed: %s", errors[slot])
+                        self._fail(request, f"{type(errors[slot]).__name__}: {errors[slot]}")
+                        free.append(slot)
+                        continue
+                    request.admitted_version = params_version[1]
+                    request.generate_timestep_added = step
+                    request.complete = np.zeros((engine.samples_per_slot,), np.bool_)
+                    detokenize.put((slot, request), block=True)
+                    idle = False
             for slot in free:
                 slots.put(slot, block=False)
             if idle or not self.live:
@@ -171,6 +202,10 @@ class SamplerDriver(orchestrator.Driver):
                 if builder.finish_reason is not None:
                     request.return_channel.close()
                     del live[slot]
+                    if prefix_reusable(engine, request.prompt_ids, builder, request.admitted_version):
+                        self._finished_prefixes.put(
+                            (slot, np.concatenate([request.prompt_ids, np.asarray(builder.tokens, np.int32)]),
+                             request.admitted_version))
                     slots_queue.put(slot, block=False)
 
 
@@ -247,7 +282,8 @@ class SamplerService:
 
     async def info(self, request: dict, context) -> dict:
         return {"version": self.engine.version, "slots": self.engine.max_concurrent_decodes,
-                "max_prefill_length": self.engine.max_prefill_length, "live": self.driver.live}
+                "max_prefill_length": self.engine.max_prefill_length, "live": self.driver.live,
+                "prefill": dict(self.driver.stats)}
 
     def handler(self) -> grpc.GenericRpcHandler:
         as_json = dict(request_deserializer=json.loads, response_serializer=lambda r: json.dumps(r).encode())

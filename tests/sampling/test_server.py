@@ -161,6 +161,29 @@ def test_prompts_that_do_not_fit_are_rejected(servers):
     assert list(_run(servers, run()).token_ids) == greedy_reference(TOKENIZER.encode("ok"), 3)
 
 
+def test_a_next_turn_reuses_the_finished_turns_keys_and_values(servers):
+    address = servers[0][1]
+    prompt = TOKENIZER.encode("Q: 4+4=?")
+    observation = TOKENIZER.encode(" =8 ")
+
+    async def run():
+        client = SamplerClient([address])
+        greedy = SamplingParams(temperature=0.0, max_tokens=6)
+        before = (await client.info())[0]["prefill"]
+        first = await client.generate(prompt, greedy)
+        second = await client.generate(prompt + list(first.token_ids) + observation, greedy)
+        after = (await client.info())[0]["prefill"]
+        await client.close()
+        return first, second, before, after
+
+    first, second, before, after = _run(servers, run())
+    history = prompt + list(first.token_ids) + observation
+    assert list(second.token_ids) == greedy_reference(history, 6)
+    assert after["prefix_hits"] - before["prefix_hits"] == 1
+    assert after["reused_tokens"] - before["reused_tokens"] == len(prompt) + len(first.token_ids)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt) + len(observation)
+
+
 def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
     addresses = [a for _, a in servers]
     params2 = jax.tree.map(lambda x: x * 1.3, PARAMS)
