@@ -505,7 +505,7 @@ class Trainer:
     def _rl_iteration(self, iteration: int, schedule, state, step_fn):
         c, r = self.config.rl, self.config.rollout
         started = time.perf_counter()
-        idle_before = self.sampler.stats.get("idle_seconds", 0.0) if hasattr(self.sampler, "stats") else 0.0
+        sampler_before = dict(getattr(self.sampler, "stats", {}))
         if self.allocator is not None and self.allocator.strategy == "until_mixed":
             groups = self._until_mixed_groups()
         else:
@@ -559,7 +559,9 @@ class Trainer:
         trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch_trajectories))
         self.trained_tokens_total += trained_tokens
         iteration_seconds = time.perf_counter() - started
-        idle_after = self.sampler.stats.get("idle_seconds", 0.0) if hasattr(self.sampler, "stats") else 0.0
+        sampler_after = dict(getattr(self.sampler, "stats", {}))
+        sampler_delta = {k: sampler_after.get(k, 0) - sampler_before.get(k, 0)
+                         for k in ("idle_seconds", "prefill_tokens", "reused_tokens")}
         record = {
             **signal,
             "success": float(np.mean([_success(t) for t in all_trajectories])) if all_trajectories else 0.0,
@@ -585,7 +587,10 @@ class Trainer:
             "suspended_episodes": suspended,
             "sample_seconds": sample_seconds,  # the learner's idle time: waiting for rollouts
             "learn_seconds": learn_seconds,
-            "sampler_idle_seconds": idle_after - idle_before,
+            "sampler_idle_seconds": sampler_delta["idle_seconds"],
+            # Prompt tokens run through the model, and those taken from the prefix cache instead.
+            "sampler_prefill_tokens": sampler_delta["prefill_tokens"],
+            "sampler_reused_tokens": sampler_delta["reused_tokens"],
             "effective_samples_per_second": len(batch_trajectories) / iteration_seconds,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
             "finish_reasons": dict(collections.Counter(t.finish_reason for t in all_trajectories)),

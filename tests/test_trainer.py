@@ -63,6 +63,8 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
         assert 3 <= round(clusters_total) <= 6
         assert record["sampled_entropy/calculator"] > 0 and record["trained_tokens"] > 0
         assert record["guard/solution_collapse"] == 1.0 and "guard/entropy_collapse" not in record
+        # Multi-turn episodes: later turns continue cached prefixes instead of prefilling the history.
+        assert record["sampler_prefill_tokens"] > 0 and record["sampler_reused_tokens"] > 0
     # Demonstrations only from sft.difficulties; RL tasks from env.train_difficulties.
     sft_eval = next(r for r in records if r["stage"] == "sft_eval")
     assert sft_eval["step"] == 3

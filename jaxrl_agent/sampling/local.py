@@ -13,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from typing import Protocol, Sequence
@@ -317,4 +318,11 @@ def save_prefixes(engine: AgentEngine, index: PrefixIndex, state, finished: list
         if entry is not None:
             save_slots.append(slot)
             entries.append(entry)
-    return engine.save_prefixes(state, save_slots, entries) if save_slots else state
+    if not save_slots:
+        return state
+    try:
+        return engine.save_prefixes(state, save_slots, entries)
+    except Exception:  # noqa: BLE001 - a cache that failed to fill is forgotten, never fatal
+        logging.getLogger(__name__).warning("prefix cache save failed; cache cleared", exc_info=True)
+        index.clear()
+        return state

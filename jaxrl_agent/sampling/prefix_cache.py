@@ -40,11 +40,15 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        """Forgets every entry (e.g. when the engine's cache contents are lost)."""
+        self._entries.clear()
+        self._keys.clear()
+        self._lengths.clear()
+
     def _sync_version(self, version: int) -> None:
         if version != self.version:
-            self._entries.clear()
-            self._keys.clear()
-            self._lengths.clear()
+            self.clear()
             self.version = version
 
     @staticmethod
