@@ -267,23 +267,34 @@ class AgentEngine(engine_api.Engine):
             raise ValueError(f"{n} prompts, {len(samplings)} sampling params and {len(slots)} slots differ")
         lengths = [int(np.asarray(p).size) for p in prompts]
         bucket = max(self.bucket_length(max(lengths)), min(MIN_BATCHED_PREFILL_BUCKET, self._max_prefill))
-        # Power-of-two row counts (each distinct shape costs one compilation; padding rows cost compute).
-        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
-        tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, :lengths[i]] = np.asarray(p, np.int32).reshape(-1)
-        pad = rows - n
-        true_lengths = np.asarray(lengths + [1] * pad, np.int32)
-        slot_ids = np.asarray(list(slots) + [self._slots] * pad, np.int32)  # out of range: dropped
-        temperature = np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)
-        top_k = np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)
-        top_p = np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)
         params, version = params_version or self.current_params()
+        batch = self._batch_rows(prompts, lengths, bucket, samplings, slots)
+        return self._prefill_insert_fn(params, decode_state, batch["tokens"], batch["true_lengths"],
+                                       batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"],
+                                       jnp.int32(version), batch["slots"])
+
+    def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, jax.Array]:
+        """Right-pads `token_rows` to [R, bucket] for a power-of-two R >= MIN_PREFILL_ROWS (each
+        distinct shape costs one compilation; padding rows cost compute and are dropped: their slot
+        is out of range), with per-row sampling params and RNG stream counts."""
+        n = len(token_rows)
+        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
+        pad = rows - n
+        tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
+        for i, row in enumerate(token_rows):
+            tokens[i, :lengths[i]] = np.asarray(row, np.int32).reshape(-1)
         counts = np.arange(self._prefill_count + 1, self._prefill_count + rows + 1, dtype=np.uint32)
         self._prefill_count += n
-        return self._prefill_insert_fn(params, decode_state, jnp.asarray(tokens), jnp.asarray(true_lengths),
-                                       jnp.asarray(counts), jnp.asarray(temperature), jnp.asarray(top_k),
-                                       jnp.asarray(top_p), jnp.int32(version), jnp.asarray(slot_ids))
+        return {
+            "tokens": jnp.asarray(tokens),
+            "true_lengths": jnp.asarray(np.asarray(list(lengths) + [1] * pad, np.int32)),
+            "counts": jnp.asarray(counts),
+            "temperature": jnp.asarray(np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)),
+            "top_k": jnp.asarray(np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)),
+            "top_p": jnp.asarray(np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)),
+            "slots": jnp.asarray(np.asarray(list(slots) + [self._slots] * pad, np.int32)),
+            "pad": pad,
+        }
 
     def extend_insert_many(self, entries: Sequence[int], starts: Sequence[int], suffixes: Sequence[np.ndarray],
                            samplings: Sequence[SamplingParams], decode_state: DecodeState, slots: Sequence[int], *,
@@ -301,7 +312,7 @@ class AgentEngine(engine_api.Engine):
         if not n == len(starts) == len(suffixes) == len(samplings) == len(slots):
             raise ValueError(f"{n} entries, {len(starts)} starts, {len(suffixes)} suffixes, {len(samplings)} "
                              f"sampling params and {len(slots)} slots differ")
-        if not 0 < n or self.prefix_cache_entries == 0:
+        if n == 0 or self.prefix_cache_entries == 0:
             raise ValueError("extend_insert_many needs rows and an engine with prefix_cache_entries > 0")
         lengths = [int(np.asarray(x).size) for x in suffixes]
         if min(lengths) < 1:
@@ -310,23 +321,14 @@ class AgentEngine(engine_api.Engine):
             if start < 1 or start + length > self.max_cache_length:
                 raise ValueError(f"prefix of {start} + suffix of {length} tokens does not fit "
                                  f"max_cache_length={self.max_cache_length}")
-        bucket = self.bucket_length(max(lengths))
-        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
-        tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
-        for i, x in enumerate(suffixes):
-            tokens[i, :lengths[i]] = np.asarray(x, np.int32).reshape(-1)
-        pad = rows - n
         params, version = params_version or self.current_params()
-        counts = np.arange(self._prefill_count + 1, self._prefill_count + rows + 1, dtype=np.uint32)
-        self._prefill_count += n
+        batch = self._batch_rows(suffixes, lengths, self.bucket_length(max(lengths)), samplings, slots)
+        pad = batch["pad"]
         return self._extend_insert_fn(
             params, decode_state, jnp.asarray(np.asarray(list(entries) + [0] * pad, np.int32)),
-            jnp.asarray(np.asarray(list(starts) + [0] * pad, np.int32)), jnp.asarray(tokens),
-            jnp.asarray(np.asarray(lengths + [1] * pad, np.int32)), jnp.asarray(counts),
-            jnp.asarray(np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)),
-            jnp.asarray(np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)),
-            jnp.asarray(np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)),
-            jnp.int32(version), jnp.asarray(np.asarray(list(slots) + [self._slots] * pad, np.int32)))
+            jnp.asarray(np.asarray(list(starts) + [0] * pad, np.int32)), batch["tokens"], batch["true_lengths"],
+            batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"], jnp.int32(version),
+            batch["slots"])
 
     def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int]) -> DecodeState:
         """Copies the keys/values of `slots` into prefix-cache `entries` (before the slots are reused)."""
