@@ -22,6 +22,7 @@ from jaxrl_agent.models.transformer import (
     rope_inverse_frequencies,
     token_logprobs,
     token_logprobs_and_entropy,
+    unstack_layers,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "save_hf",
     "token_logprobs",
     "token_logprobs_and_entropy",
+    "unstack_layers",
 ]

@@ -258,20 +258,34 @@ class AgentEngine(engine_api.Engine):
 
         Equivalent to `insert(prefill(...), state, slot)` per prompt (same tokens, log-probs and
         cache contents), but one forward pass for all: with hundreds of short requests, per-request
-        prefill dominated the sampler's time on CPU. The batch is padded to a power-of-two count of
-        rows (at least 8; padded rows are dropped) and of tokens (at least 32), so that few shapes
-        are ever compiled. `params_version` (from `current_params()`) pins the weights used.
+        prefill dominated the sampler's time on CPU. Identical prompts (a group's G episodes all
+        start from the task's prompt) run through the model once; each row still samples its first
+        token with its own random stream. The batch is padded to a power-of-two count of rows (at
+        least 8; padded rows are dropped) and of tokens (at least 32), so that few shapes are ever
+        compiled. `params_version` (from `current_params()`) pins the weights used.
         """
         n = len(prompts)
         if not n == len(samplings) == len(slots):
             raise ValueError(f"{n} prompts, {len(samplings)} sampling params and {len(slots)} slots differ")
-        lengths = [int(np.asarray(p).size) for p in prompts]
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        lengths = [int(p.size) for p in prompts]
         bucket = max(self.bucket_length(max(lengths)), min(MIN_BATCHED_PREFILL_BUCKET, self._max_prefill))
         params, version = params_version or self.current_params()
+        first_of: dict[bytes, int] = {}
+        source = [first_of.setdefault(p.tobytes(), len(first_of)) for p in prompts]  # row -> unique prompt
+        unique = [prompts[source.index(u)] for u in range(len(first_of))]
         batch = self._batch_rows(prompts, lengths, bucket, samplings, slots)
-        return self._prefill_insert_fn(params, decode_state, batch["tokens"], batch["true_lengths"],
-                                       batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"],
-                                       jnp.int32(version), batch["slots"])
+        rows = batch["tokens"].shape[0]
+        # A quarter of the rows (a batch of whole groups of 4) or all of them: two compiled shapes
+        # per row count rather than one per power of two below it.
+        unique_rows = max(MIN_PREFILL_ROWS, rows // 4) if len(unique) <= max(MIN_PREFILL_ROWS, rows // 4) else rows
+        unique_tokens = np.full((unique_rows, bucket), self.tokenizer.pad_id, np.int32)
+        for i, prompt in enumerate(unique):
+            unique_tokens[i, :prompt.size] = prompt
+        source = np.asarray(source + [0] * (rows - n), np.int32)  # padding rows read unique prompt 0
+        return self._prefill_insert_fn(params, decode_state, jnp.asarray(unique_tokens), jnp.asarray(source),
+                                       batch["true_lengths"], batch["counts"], batch["temperature"], batch["top_k"],
+                                       batch["top_p"], jnp.int32(version), batch["slots"])
 
     def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, jax.Array]:
         """Right-pads `token_rows` to [R, bucket] for a power-of-two R >= MIN_PREFILL_ROWS (each
@@ -412,32 +426,32 @@ def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p
                   version=version, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def _prefill_insert_many(config, seed, params, state: DecodeState, tokens, true_lengths, counts, temperature,
-                         top_k, top_p, version, slots) -> DecodeState:
-    """tokens [N, P] right-padded, true_lengths [N], counts [N] (per-row RNG stream), slots [N]
-    (an index >= B drops the row). Same sampling per row as `_prefill` with that row's key."""
-    n, p = tokens.shape
-    cache = models.init_cache(config, n, p)
-    logits, cache = models.prefill(config, params, tokens, cache)
-    return _sample_and_insert(seed, state, logits, cache, true_lengths, true_lengths, counts, temperature, top_k,
-                              top_p, version, slots)
+def _prefill_insert_many(config, seed, params, state: DecodeState, unique_tokens, source, true_lengths, counts,
+                         temperature, top_k, top_p, version, slots) -> DecodeState:
+    """unique_tokens [U, P] right-padded distinct prompts; row i of the batch is prompt source[i]
+    (source, true_lengths, counts (per-row RNG stream) and slots are [N]; a slot >= B drops the
+    row). Same sampling per row as `_prefill` with that row's key."""
+    p = unique_tokens.shape[1]
+    cache = models.init_cache(config, unique_tokens.shape[0], p)
+    logits, cache = models.prefill(config, params, unique_tokens, cache)
+    last = logits.reshape(-1, logits.shape[-1])[source * p + true_lengths - 1]  # [N, V]
+    rows = models.KVCache(*(tuple(c[source] for c in caches) for caches in (cache.k, cache.v)))
+    return _sample_and_insert(seed, state, last, rows, true_lengths, counts, temperature, top_k, top_p, version,
+                              slots)
 
 
 def _extend_insert_many(config, seed, params, state: DecodeState, entries, starts, tokens, true_lengths, counts,
                         temperature, top_k, top_p, version, slots) -> DecodeState:
     """Rows start from prefix-cache entries [N] holding `starts` [N] positions; tokens [N, T] (the
     right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them."""
-    n, t = tokens.shape
-    s = state.cache.max_length
-    # Room for T positions past the last slot position: a padded suffix never writes out of bounds
-    # (dynamic_update_slice would clamp its start instead); the rows are cut back to S on insert.
-    rows = models.KVCache(*(tuple(jnp.pad(c[entries], ((0, 0), (0, 0), (0, t), (0, 0))) for c in caches)
-                            for caches in (state.pool.k, state.pool.v)))
+    t = tokens.shape[1]
+    # A padded suffix may run past the cache's end; `extend` drops those writes (only padding).
+    rows = models.KVCache(*(tuple(c[entries] for c in caches) for caches in (state.pool.k, state.pool.v)))
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     logits, cache = models.extend(config, params, tokens, positions, rows)
-    cache = models.KVCache(*(tuple(c[:, :, :s] for c in caches) for caches in (cache.k, cache.v)))
-    return _sample_and_insert(seed, state, logits, cache, true_lengths, starts + true_lengths, counts, temperature,
-                              top_k, top_p, version, slots)
+    last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [N, V]
+    return _sample_and_insert(seed, state, last, cache, starts + true_lengths, counts, temperature, top_k, top_p,
+                              version, slots)
 
 
 def _save_prefixes(state: DecodeState, slots, entries) -> DecodeState:
@@ -446,13 +460,12 @@ def _save_prefixes(state: DecodeState, slots, entries) -> DecodeState:
     return state.replace(pool=models.KVCache(put(state.pool.k, state.cache.k), put(state.pool.v, state.cache.v)))
 
 
-def _sample_and_insert(seed, state: DecodeState, logits, cache, true_lengths, positions, counts, temperature, top_k,
-                       top_p, version, slots) -> DecodeState:
-    """Samples each row's first token from its logits at true_lengths - 1 and puts the row's cache
-    (length P <= S, copied into the slot's first P positions) and sampling state into `slots`;
-    `positions` [N] is where that first token will sit."""
-    n, p = logits.shape[0], cache.max_length
-    last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [N, V]
+def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts, temperature, top_k, top_p, version,
+                       slots) -> DecodeState:
+    """Samples each row's first token from `last` [N, V] (the logits at its prompt's last token) and
+    puts the row's cache (length P <= S, copied into the slot's first P positions) and sampling
+    state into `slots`; `positions` [N] is where that first token will sit."""
+    n, p = last.shape[0], cache.max_length
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
     token, logprob = jax.vmap(lambda lg, key, t, k, pp: decoding.sample_tokens(lg[None], key, t[None], k[None],
@@ -500,6 +513,7 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
 
 def _generate(config, steps, stop_ids, params, state: DecodeState, version):
     max_len = state.cache.max_length
+    params = models.unstack_layers(params)  # once per call, not per step (see unstack_layers)
 
     def step(state: DecodeState, _):
         emit = (state.next_token, state.next_logprob, state.next_version, state.active)

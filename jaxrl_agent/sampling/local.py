@@ -140,8 +140,8 @@ class LocalSampler:
         self._stopped = False
         self.prefix_index = PrefixIndex(engine.prefix_cache_entries)
         # idle_seconds: time the decode loop had no request at all (the sampler's idle time);
-        # prefill_tokens: prompt tokens run through the model; reused_tokens: taken from the
-        # prefix cache instead.
+        # prefill_tokens: prompt tokens run through the model; reused_tokens: not run for this
+        # request (taken from the prefix cache, or an identical prompt prefilled in the same batch).
         self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0,
                       "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0}
         self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
@@ -287,7 +287,9 @@ def admit_requests(engine: AgentEngine, index: PrefixIndex, state, items: list[t
         try:
             state = engine.prefill_insert_many([prompt for _, prompt, _ in group], [s for _, _, s in group], state,
                                                [slot for slot, _, _ in group], params_version=params_version)
-            stats["prefill_tokens"] += sum(prompt.size for _, prompt, _ in group)
+            distinct = {prompt.tobytes(): prompt.size for _, prompt, _ in group}  # run once each (see engine)
+            stats["prefill_tokens"] += sum(distinct.values())
+            stats["reused_tokens"] += sum(prompt.size for _, prompt, _ in group) - sum(distinct.values())
         except Exception:  # noqa: BLE001 - retry one by one
             failed += group
     errors = {}

@@ -179,3 +179,29 @@ def test_batched_prefill_insert_equals_one_by_one():
             np.testing.assert_allclose(np.asarray(a)[slot, :, :len(prompt)], np.asarray(b)[slot, :, :len(prompt)],
                                        atol=1e-5)
     assert not bool(batched.active[1])  # untouched slot (and the dropped padding row) stay free
+
+
+def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams():
+    """A group's G episodes share their first prompt: one forward pass serves all G rows, and each
+    row equals a one-by-one prefill + insert (own RNG stream, same keys/values)."""
+    a, b = (np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS[:2])
+    prompts = [a, b, a, a, b, a, b, b, a]
+    samplings = [SamplingParams(temperature=1.0)] * 8 + [SamplingParams(temperature=0.0)]
+    slots = [4, 0, 1, 2, 3, 8, 7, 5, 6]
+    one = _engine(seed=3, max_concurrent_decodes=9)
+    state = one.init_decode_state()
+    for prompt, sampling, slot in zip(prompts, samplings, slots):
+        state = one.insert(one.prefill(padded_tokens=prompt, true_length=len(prompt), sampling=sampling), state, slot)
+    many = _engine(seed=3, max_concurrent_decodes=9)
+    calls = []
+    real_fn = many._prefill_insert_fn
+    many._prefill_insert_fn = lambda *args: calls.append(args[2].shape) or real_fn(*args)
+    batched = many.prefill_insert_many(prompts, samplings, many.init_decode_state(), slots)
+    assert calls == [(8, 32)]  # 9 requests (16 rows padded), 2 distinct prompts: 8 rows run
+    for field in ("next_token", "next_logprob", "position", "active", "temperature"):
+        np.testing.assert_allclose(np.asarray(getattr(batched, field)), np.asarray(getattr(state, field)),
+                                   atol=1e-5, err_msg=field)
+    for x, y in zip(batched.cache.k + batched.cache.v, state.cache.k + state.cache.v):
+        for prompt, slot in zip(prompts, slots):
+            np.testing.assert_allclose(np.asarray(x)[slot, :, :len(prompt)], np.asarray(y)[slot, :, :len(prompt)],
+                                       atol=1e-5)
