@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def ours(steps: int, batch: int, prompt: int, completion: int) -> float:
+def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int = 0) -> float:
     from jaxrl_agent import learner, losses, models, sharding
 
     config = models.ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768,
@@ -31,7 +31,8 @@ def ours(steps: int, batch: int, prompt: int, completion: int) -> float:
     optimizer = learner.make_optimizer(learning_rate=1e-6, warmup_steps=1, total_steps=1000)
     state = learner.init_state(params, optimizer)
     step_fn, _ = learner.jit_train_step(
-        learner.make_train_step(config, optimizer, objective=losses.make_objective(losses.default_objective_spec())),
+        learner.make_train_step(config, optimizer, objective=losses.make_objective(losses.default_objective_spec()),
+                                logits_chunk=logits_chunk),
         state, sharding.make_mesh(1, 1, 1))
     rng = np.random.RandomState(0)
     t = prompt + completion
@@ -62,8 +63,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--completion", type=int, default=112)
     parser.add_argument("--tunix_python", default=None)
+    parser.add_argument("--logits_chunk", type=int, default=0, help="learner.logits_chunk (0 = whole rows)")
     args = parser.parse_args()
-    ours_s = ours(args.steps, args.batch, args.prompt, args.completion)
+    ours_s = ours(args.steps, args.batch, args.prompt, args.completion, args.logits_chunk)
     tokens = args.batch * args.completion
     rows = [("jaxrl_agent train_step", ours_s)]
     if args.tunix_python:

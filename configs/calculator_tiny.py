@@ -157,6 +157,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.learner.row_length = 128  # Tokens per packed learner row (expert episodes are 55-80 tokens).
     config.learner.row_multiple = 4  # Rows are padded to a multiple of this (fewer recompilations).
     config.learner.microbatches = 1  # Gradient accumulation steps per update.
+    # Sequence positions whose [rows, chunk, vocab] logits exist at once in the learner (0 = the whole
+    # row): the logits are recomputed chunk by chunk in the backward pass instead of stored.
+    config.learner.logits_chunk = 0
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
 
     config.eval = ml_collections.ConfigDict()

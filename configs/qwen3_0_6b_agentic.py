@@ -64,5 +64,7 @@ def get_config():
     config.rl.learning_rate = 1e-6  # RL on a pretrained model.
     config.learner.row_length = 1024  # Tokens per packed learner row.
     config.learner.microbatches = 4  # Gradient accumulation.
+    # 128 positions x 151,936 vocabulary x 4 bytes = 78 MB of logits per row at a time, not 622 MB.
+    config.learner.logits_chunk = 128
     config.smoke.seq_len = 64  # Tokens per row in the forward-pass check.
     return config.lock()

@@ -176,6 +176,8 @@ class Trainer:
         if config.rollout.max_context > config.learner.row_length:
             raise ValueError(f"rollout.max_context={config.rollout.max_context} exceeds learner.row_length="
                              f"{config.learner.row_length}: episodes that long could never be trained on")
+        if config.learner.logits_chunk < 0:
+            raise ValueError(f"learner.logits_chunk={config.learner.logits_chunk}: expected >= 0 (0 = whole rows)")
         self.servers = None
         if config.sampler.num_servers > 0:
             # JetStream server processes; the learner pushes weights to them over gRPC.
@@ -324,7 +326,8 @@ class Trainer:
         state = learner.init_state(self.params, optimizer, seed=self.config.seed)
         step_fn, _ = learner.jit_train_step(
             learner.make_train_step(self.model_config, optimizer, sft=True,
-                                    microbatches=self.config.learner.microbatches), state, self.mesh)
+                                    microbatches=self.config.learner.microbatches,
+                                    logits_chunk=self.config.learner.logits_chunk), state, self.mesh)
         start = time.perf_counter()
         demonstrate = lambda task: rollout.expert_trajectory(
             self.env, task, self.expert, self.tokenizer, self.template,
@@ -373,7 +376,8 @@ class Trainer:
             corrections=(losses.TIS(cap=c.tis_cap),))
         step_fn, _ = learner.jit_train_step(
             learner.make_train_step(self.model_config, optimizer, objective=losses.make_objective(spec),
-                                    microbatches=self.config.learner.microbatches, temperature=r.temperature),
+                                    microbatches=self.config.learner.microbatches, temperature=r.temperature,
+                                    logits_chunk=self.config.learner.logits_chunk),
             state, self.mesh)
         first_iteration = 1
         if self.resume_meta is not None:

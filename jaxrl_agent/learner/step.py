@@ -64,22 +64,19 @@ def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=No
 
 
 def sequence_logprobs(config: models.ModelConfig, params, batch: PackedBatch, *, temperature: float = 1.0,
-                      with_entropy: bool = False):
-    """log pi(tokens[b, t]) from logits[b, t-1], 0 at t = 0; optionally the per-token entropy. [B, T]."""
-    logits = models.forward(config, params, batch.tokens, batch.positions, batch.segment_ids)
-    logits = logits[:, :-1].astype(jnp.float32)
-    if temperature != 1.0:
-        logits = logits / temperature
-    if with_entropy:
-        # One fused pass over the vocabulary for both (see models.token_logprobs_and_entropy).
-        logp, entropy = models.token_logprobs_and_entropy(logits, batch.tokens[:, 1:])
-    else:
-        logp, entropy = models.token_logprobs(logits, batch.tokens[:, 1:]), None
-    pad = jnp.zeros_like(logp[:, :1])
-    logp = jnp.concatenate([pad, logp], axis=1)
-    if entropy is not None:
-        entropy = jnp.concatenate([pad, entropy], axis=1)
-    return logp, entropy
+                      with_entropy: bool = False, logits_chunk: int = 0):
+    """log pi(tokens[b, t]) from logits[b, t-1], 0 at t = 0; optionally the per-token entropy. [B, T].
+
+    The [B, T, V] logits are never materialised: the final hidden states go through
+    `models.chunked_logprobs_and_entropy` `logits_chunk` positions at a time (0 = all at once).
+    """
+    hidden = models.hidden_states(config, params, batch.tokens, batch.positions, batch.segment_ids)
+    # Position t predicts tokens[t + 1]; the last position's target is padding, dropped below.
+    next_tokens = jnp.pad(batch.tokens[:, 1:], ((0, 0), (0, 1)))
+    logp, entropy = models.chunked_logprobs_and_entropy(hidden, models.output_kernel(config, params), next_tokens,
+                                                        temperature=temperature, chunk=logits_chunk)
+    shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+    return shift(logp), (shift(entropy) if with_entropy else None)
 
 
 def _split(batch: PackedBatch, microbatches: int) -> PackedBatch:
@@ -93,7 +90,8 @@ def _split(batch: PackedBatch, microbatches: int) -> PackedBatch:
 
 def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransformation, *,
                     objective: Callable | None = None, microbatches: int = 1, temperature: float = 1.0,
-                    sft: bool = False) -> Callable[[TrainState, PackedBatch], tuple[TrainState, Metrics]]:
+                    sft: bool = False, logits_chunk: int = 0) -> Callable[[TrainState, PackedBatch],
+                                                                           tuple[TrainState, Metrics]]:
     """Pure `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -102,11 +100,14 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
       microbatches: gradient accumulation steps per update (B must divide).
       temperature: the sampling temperature, applied to logits so learner and sampler log-probs
         describe the same distribution.
+      logits_chunk: sequence positions whose [B, chunk, V] logits exist at once (0 = all T); see
+        `sequence_logprobs`.
     """
     objective = objective or losses.make_objective(losses.default_objective_spec())
 
     def loss_fn(params, ref_params, micro: PackedBatch):
-        logp, entropy = sequence_logprobs(config, params, micro, temperature=temperature, with_entropy=True)
+        logp, entropy = sequence_logprobs(config, params, micro, temperature=temperature, with_entropy=True,
+                                          logits_chunk=logits_chunk)
         mask = micro.loss_mask.astype(jnp.float32)
         if sft:
             loss = losses.masked_token_mean(-logp, mask)
@@ -114,7 +115,8 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
         else:
             ref = None
             if ref_params is not None:
-                ref, _ = sequence_logprobs(config, ref_params, micro, temperature=temperature)
+                ref, _ = sequence_logprobs(config, ref_params, micro, temperature=temperature,
+                                           logits_chunk=logits_chunk)
                 ref = jax.lax.stop_gradient(ref)
             inputs = losses.LossInputs(mask=mask, advantages=micro.advantages, old_logprobs=micro.old_logprobs,
                                        sampler_logprobs=micro.sampler_logprobs, ref_logprobs=ref, entropy=entropy)

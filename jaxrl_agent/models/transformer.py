@@ -21,6 +21,7 @@ Logits and every softmax are computed in float32 whatever `config.dtype` is.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -237,17 +238,28 @@ class Transformer(nn.Module):
             )
 
     def __call__(self, tokens, positions, mask):
+        return self.logits(self.hidden(tokens, positions, mask))
+
+    def hidden(self, tokens, positions, mask):
+        """The last block's output [B, T, H], before the final norm."""
         x, _ = self.layers(self.embed_tokens(tokens), None, positions, mask, None)
-        return self.logits(x)
+        return x
 
     def embed_tokens(self, tokens):
         return self.embed(tokens)
 
-    def logits(self, x):
+    def normed(self, x):
+        return self.final_norm(x)
+
+    def output_kernel(self):
+        """The output projection [H, V]: the embedding's transpose when tied, else lm_head."""
         cfg = self.config
-        x = self.final_norm(x)
         kernel = self.embed.embedding.T if cfg.tie_word_embeddings else self.lm_head
-        return jnp.einsum("bth,hv->btv", x, kernel.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32)
+        return kernel.astype(cfg.jnp_dtype)
+
+    def logits(self, x):
+        return jnp.einsum("bth,hv->btv", self.final_norm(x), self.output_kernel(),
+                          preferred_element_type=jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +316,30 @@ def forward(
     Returns:
       logits [B, T, V] in float32.
     """
+    x = _final_hidden(config, params, tokens, positions, segment_ids)
+    return Transformer(config).apply({"params": params}, x, method=Transformer.logits)
+
+
+def hidden_states(
+    config: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """The final-normed hidden states [B, T, H] that `forward` projects to logits (same arguments):
+    `forward(...) == hidden_states(...) @ output_kernel(...)`. With `chunked_logprobs_and_entropy`
+    the learner never materialises the [B, T, V] logits."""
+    x = _final_hidden(config, params, tokens, positions, segment_ids)
+    return Transformer(config).apply({"params": params}, x, method=Transformer.normed)
+
+
+def output_kernel(config: ModelConfig, params: Params) -> jax.Array:
+    """The output projection [H, V] (the embedding's transpose when tied)."""
+    return Transformer(config).apply({"params": params}, method=Transformer.output_kernel)
+
+
+def _final_hidden(config: ModelConfig, params: Params, tokens, positions, segment_ids) -> jax.Array:
     _check_tokens(config, tokens, 2)
     if positions is None:
         if segment_ids is None:
@@ -316,15 +352,21 @@ def forward(
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     if config.scan_layers:
-        return Transformer(config).apply({"params": params}, tokens, positions, mask)
-    logits, _ = _unrolled(config, params, tokens, positions, mask, None, None)
-    return logits
+        return Transformer(config).apply({"params": params}, tokens, positions, mask, method=Transformer.hidden)
+    x, _ = _blocks(config, params, tokens, positions, mask, None, None)
+    return x
 
 
 def _unrolled(config: ModelConfig, params: Params, tokens, positions, mask, cache: KVCache | None, cache_start):
     """Embeddings, each block with its slice of the stacked layer parameters, logits.
 
     With a cache, each layer's buffers are updated in place (see `KVCache`)."""
+    x, cache = _blocks(config, params, tokens, positions, mask, cache, cache_start)
+    return Transformer(config).apply({"params": params}, x, method=Transformer.logits), cache
+
+
+def _blocks(config: ModelConfig, params: Params, tokens, positions, mask, cache: KVCache | None, cache_start):
+    """Embeddings and each block (unrolled): the last block's output [B, T, H] and the cache."""
     model = Transformer(config)
     x = model.apply({"params": params}, tokens, method=Transformer.embed_tokens)
     block = Block(config)
@@ -346,8 +388,7 @@ def _unrolled(config: ModelConfig, params: Params, tokens, positions, mask, cach
         if kv is not None:
             new_k.append(kv[0])
             new_v.append(kv[1])
-    logits = model.apply({"params": params}, x, method=Transformer.logits)
-    return logits, (KVCache(tuple(new_k), tuple(new_v)) if cache is not None else None)
+    return x, (KVCache(tuple(new_k), tuple(new_v)) if cache is not None else None)
 
 
 def unstack_layers(params: Params) -> Params:
@@ -459,6 +500,88 @@ def _logprobs_entropy_bwd(residuals, cotangents):
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
+
+
+def chunked_logprobs_and_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *,
+                                 temperature: float = 1.0, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """`token_logprobs_and_entropy(hidden @ kernel / temperature, targets)` without the logits.
+
+    hidden [B, T, H] (from `hidden_states`), kernel [H, V] (from `output_kernel`), targets [B, T]
+    int -> (log p(targets) [B, T], H(p) [B, T]) in float32, differentiable in hidden and kernel.
+    The sequence axis is cut into chunks of `chunk` positions (0 = one chunk), and the backward pass
+    recomputes each chunk's logits z = h W / T instead of saving [B, T, V] logits and probabilities:
+    memory O(B * chunk * V) instead of O(B * T * V) (at Qwen3's V = 151,936 that is 0.6 MB per token
+    and array). With lse = logsumexp(z) and the cotangents g_lp, g_H:
+        dz = onehot(y) g_lp - p (g_lp + g_H (z - lse + H)),   dh = dz Wᵀ / T,   dW = hᵀ dz / T,
+    the weight gradient accumulated chunk by chunk (as dzᵀ h, the layout XLA:CPU multiplies without
+    first transposing the whole softmax gradient). Cost: one more h W product per chunk.
+    """
+    b, t, _ = hidden.shape
+    c = t if chunk <= 0 or chunk >= t else int(chunk)
+    n = -(-t // c)
+    pad = n * c - t
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    logp, entropy = _chunked_lp_ent(hidden, kernel, targets, float(temperature), c)
+    return logp[:, :t], entropy[:, :t]
+
+
+def _as_chunks(x: jax.Array, c: int) -> jax.Array:
+    """[B, n*c, ...] -> [n, B, c, ...] (chunks along the sequence, each holding every row)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, c, *x.shape[2:]), 1, 0)
+
+
+def _from_chunks(x: jax.Array) -> jax.Array:
+    """[n, B, c, ...] -> [B, n*c, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _chunk_logits(h, kernel, temperature):
+    return jnp.einsum("bch,hv->bcv", h, kernel, preferred_element_type=jnp.float32) / temperature
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_lp_ent(hidden, kernel, targets, temperature, c):
+    return _chunked_lp_ent_fwd(hidden, kernel, targets, temperature, c)[0]
+
+
+def _chunked_lp_ent_fwd(hidden, kernel, targets, temperature, c):
+    def one(args):
+        h, y = args
+        (logp, entropy), (_, _, lse, _, _) = _logprobs_entropy_fwd(_chunk_logits(h, kernel, temperature), y)
+        return logp, entropy, lse
+
+    logp, entropy, lse = jax.lax.map(one, (_as_chunks(hidden, c), _as_chunks(targets, c)))
+    logp, entropy, lse = _from_chunks(logp), _from_chunks(entropy), _from_chunks(lse)
+    return (logp, entropy), (hidden, kernel, targets, lse, entropy)
+
+
+def _chunked_lp_ent_bwd(temperature, c, residuals, cotangents):
+    hidden, kernel, targets, lse, entropy = residuals
+    g_logp, g_entropy = cotangents
+
+    def one(d_kernel_t, args):
+        h, y, lse_c, ent_c, g_lp, g_h = args
+        z = _chunk_logits(h, kernel, temperature)
+        p = jnp.exp(z - lse_c[..., None])
+        onehot = y[..., None] == jnp.arange(z.shape[-1], dtype=y.dtype)
+        dz = (jnp.where(onehot, g_lp[..., None], 0.0)
+              - p * (g_lp[..., None] + g_h[..., None] * (z - lse_c[..., None] + ent_c[..., None]))) / temperature
+        dz = dz.astype(kernel.dtype)
+        dh = jnp.einsum("bcv,hv->bch", dz, kernel, preferred_element_type=jnp.float32)
+        d_kernel_t = d_kernel_t + jnp.einsum("bcv,bch->vh", dz, h.astype(kernel.dtype),
+                                             preferred_element_type=jnp.float32)
+        return d_kernel_t, dh.astype(hidden.dtype)
+
+    chunks = tuple(_as_chunks(x, c) for x in (hidden, targets, lse, entropy, g_logp, g_entropy))
+    zeros = jnp.zeros(kernel.shape[::-1], jnp.float32)
+    d_kernel_t, d_hidden = jax.lax.scan(one, zeros, chunks)
+    return _from_chunks(d_hidden), d_kernel_t.T.astype(kernel.dtype), None
+
+
+_chunked_lp_ent.defvjp(_chunked_lp_ent_fwd, _chunked_lp_ent_bwd)
 
 
 def count_params(params: Params) -> int:

@@ -93,6 +93,21 @@ def test_microbatch_accumulation_matches_the_full_batch():
     np.testing.assert_allclose(micro_metrics["entropy"], full_metrics["entropy"], rtol=1e-3)
 
 
+def test_chunked_logits_give_the_same_update_as_whole_rows():
+    """learner.logits_chunk changes memory, not the step: same loss, metrics and new parameters."""
+    optimizer = learner.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)
+    batch = jax.tree.map(jnp.asarray, _expert_batch(n=4, row_length=128))
+    results = []
+    for chunk in (0, 48):  # 48 does not divide 128: the last chunk is padded
+        step = jax.jit(learner.make_train_step(CONFIG, optimizer, logits_chunk=chunk))
+        results.append(step(learner.init_state(PARAMS, optimizer), batch))
+    (whole_state, whole), (chunked_state, chunked) = results
+    for key in ("loss", "entropy", "grad_norm"):
+        np.testing.assert_allclose(chunked[key], whole[key], rtol=1e-4, err_msg=key)
+    for a, b in zip(jax.tree.leaves(chunked_state.params), jax.tree.leaves(whole_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_sharded_train_step_on_eight_devices_matches_one_device():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:8])
     optimizer = learner.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)

@@ -164,3 +164,49 @@ def test_fused_token_logprobs_and_entropy_match_the_reference_values_and_gradien
     eps = 1e-2
     numeric = (f(logits + eps * direction) - f(logits - eps * direction)) / (2 * eps)
     np.testing.assert_allclose(jnp.vdot(jax.grad(f)(logits), direction), numeric, rtol=2e-2)
+
+
+@pytest.mark.parametrize("chunk", [0, 2, 3, 7])
+def test_chunked_logprobs_and_entropy_match_the_full_logits_path(chunk):
+    """Values and gradients (hidden and kernel) equal the reference on materialised logits, for
+    chunks that divide T, that do not (3 of 7), and one chunk; with a temperature."""
+    from jaxrl_agent import losses
+
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(3), 5)
+    hidden = jax.random.normal(k1, (2, 7, 6))
+    kernel = jax.random.normal(k2, (6, 13))
+    targets = jax.random.randint(k3, (2, 7), 0, 13)
+    w_logp, w_entropy = jax.random.normal(k4, (2, 7)), jax.random.normal(k5, (2, 7))
+    temperature = 0.7
+
+    def reference(h, w):
+        z = jnp.einsum("bth,hv->btv", h, w) / temperature
+        return models.token_logprobs(z, targets), losses.entropy_from_logits(z)
+
+    def chunked(h, w):
+        return models.chunked_logprobs_and_entropy(h, w, targets, temperature=temperature, chunk=chunk)
+
+    for got, want in zip(chunked(hidden, kernel), reference(hidden, kernel)):
+        assert got.shape == (2, 7)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
+        def objective(fn, a=a, b=b):
+            return lambda h, w: jnp.sum(a * w_logp * fn(h, w)[0]) + jnp.sum(b * w_entropy * fn(h, w)[1])
+
+        got = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, kernel)
+        want = jax.grad(objective(reference), argnums=(0, 1))(hidden, kernel)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_hidden_states_times_output_kernel_is_forward():
+    for tie in (True, False):
+        config = models.ModelConfig(vocab_size=17, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                                    num_kv_heads=1, head_dim=8, tie_word_embeddings=tie)
+        params = models.init_params(config, jax.random.PRNGKey(0))
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 17)
+        segments = jnp.asarray([[1, 1, 2, 2, 2], [1, 1, 1, 1, 0]])
+        want = models.forward(config, params, tokens, segment_ids=segments)
+        got = jnp.einsum("bth,hv->btv", models.hidden_states(config, params, tokens, segment_ids=segments),
+                         models.output_kernel(config, params))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
