@@ -1,7 +1,11 @@
 """`SamplerClient`: asyncio client of one or more sampler servers.
 
 `await client.generate(prompt_ids, sampling) -> Completion` goes to the server with the fewest
-requests in flight; if that server fails (unreachable, died mid-request) the request is retried on
+requests in flight, except that a prompt extending (or equal to) a first prompt sent earlier goes to
+the server that got that first prompt (prefix affinity), unless that server has `affinity_slack`
+more requests in flight than the least loaded: an episode's later turns then meet their own keys and
+values in that server's prefix cache, and a group's G identical first prompts are prefilled there
+once. If a server fails (unreachable, died mid-request) the request is retried on
 another, and the failed server is avoided for `cooldown_s`. A prompt the server rejects (too long,
 bad ids) raises at once, without retries. `update_weights(params, version)` pushes weights to every
 server (msgpack over gRPC), `load_checkpoint(path, version)` makes every server load an orbax
@@ -11,9 +15,12 @@ checkpoint instead.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from typing import Sequence
+
+import numpy as np
 
 import grpc
 
@@ -44,28 +51,74 @@ class _Server:
 
 
 class SamplerClient:
+    """Args: addresses of the servers; timeout_s per request; cooldown_s a failed server is avoided;
+    max_attempts per request (default 2 per server); affinity_entries first prompts remembered for
+    prefix affinity (least recently used dropped; 0 = off); affinity_slack extra requests in flight
+    tolerated on the affine server before the least loaded one is used instead."""
+
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 300.0, cooldown_s: float = 5.0,
-                 max_attempts: int | None = None):
+                 max_attempts: int | None = None, affinity_entries: int = 4096, affinity_slack: int = 32):
         if not addresses:
             raise ValueError("SamplerClient needs at least one server address")
         self._servers = [_Server(a) for a in addresses]
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
         self.max_attempts = max_attempts or 2 * len(addresses)
-        self.stats = {"retries": 0}
+        self.affinity_entries = affinity_entries
+        self.affinity_slack = affinity_slack
+        self._routes: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # first prompt -> server
+        self._route_lengths: collections.Counter[int] = collections.Counter()
+        self.stats = {"retries": 0, "affinity_hits": 0}
 
-    def _pick(self, exclude: set[str]) -> _Server | None:
+    def _affine(self, prompt: np.ndarray) -> tuple[bytes, int | None]:
+        """(key, server index) of the longest remembered first prompt that `prompt` starts with; for
+        a prompt that starts with none, (its own key, None)."""
+        for length in sorted(self._route_lengths, reverse=True):
+            if length <= prompt.size:
+                key = prompt[:length].tobytes()
+                if key in self._routes:
+                    self._routes.move_to_end(key)
+                    return key, self._routes[key]
+        return prompt.tobytes(), None
+
+    def _remember(self, key: bytes, index: int) -> None:
+        if self.affinity_entries <= 0:
+            return
+        if key not in self._routes:
+            self._route_lengths[len(key) // 4] += 1
+        self._routes[key] = index
+        self._routes.move_to_end(key)
+        while len(self._routes) > self.affinity_entries:
+            old, _ = self._routes.popitem(last=False)
+            self._route_lengths[len(old) // 4] -= 1
+            if not self._route_lengths[len(old) // 4]:
+                del self._route_lengths[len(old) // 4]
+
+    def _pick(self, exclude: set[str], preferred: int | None = None) -> _Server | None:
         now = time.monotonic()
         candidates = [s for s in self._servers if s.address not in exclude]
         healthy = [s for s in candidates if s.down_until <= now] or candidates
-        return min(healthy, key=lambda s: s.in_flight) if healthy else None
+        if not healthy:
+            return None
+        least = min(healthy, key=lambda s: s.in_flight)
+        if preferred is not None:
+            affine = self._servers[preferred]
+            if affine in healthy and affine.in_flight <= least.in_flight + self.affinity_slack:
+                return affine
+        return least
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Completion:
         request = {"prompt_ids": [int(i) for i in prompt_ids], "sampling": sampling.to_dict()}
+        key, preferred = self._affine(np.asarray(request["prompt_ids"], np.int32))
         tried: set[str] = set()
         errors = []
         for attempt in range(self.max_attempts):
-            server = self._pick(tried if len(tried) < len(self._servers) else set())
+            server = self._pick(tried if len(tried) < len(self._servers) else set(), preferred)
+            index = self._servers.index(server)
+            self.stats["affinity_hits"] += int(index == preferred)
+            if index != preferred:  # a first prompt, or its server was unusable: later turns follow this one
+                self._remember(key, index)
+                preferred = index
             server.in_flight += 1
             try:
                 reply = await server.generate(request, timeout=self.timeout_s)
