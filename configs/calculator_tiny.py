@@ -72,8 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.prefix_cache_entries = 256
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
     # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
-    # this host, fed new weights over gRPC after every update; they split max_concurrent_decodes
-    # and prefix_cache_entries between them (they share this host's cores).
+    # this host, fed new weights over gRPC after every update (each with the slots above).
     config.sampler.num_servers = 0
 
     config.env = ml_collections.ConfigDict()

@@ -9,7 +9,6 @@ import os
 import time
 
 import jax
-import ml_collections
 import numpy as np
 
 from jaxrl_agent import models, sharding, tokenizer as tokenizer_lib
@@ -112,12 +111,6 @@ class SamplerServers:
         from jaxrl_agent.sampling.client import BackgroundSamplerClient
 
         os.makedirs(workdir, exist_ok=True)
-        # The servers share this host's cores and memory: they split its slots and prefix-cache
-        # entries (each server decodes all of its slots every step, busy or not, so n servers with
-        # the full count would do n times the decode work of one in-process engine).
-        config = ml_collections.ConfigDict(config.to_dict())
-        config.sampler.max_concurrent_decodes = -(-config.sampler.max_concurrent_decodes // n)
-        config.sampler.prefix_cache_entries = -(-config.sampler.prefix_cache_entries // n)
         config_path = os.path.join(os.path.abspath(workdir), "sampler_config.py")
         with open(config_path, "w") as f:
             f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
