@@ -33,8 +33,9 @@ def sample_tokens(
     """Samples one token per row.
 
     Args:
-      logits: [B, V] float32.  rng: PRNG key.  temperature: [B] (0 = greedy).
-      top_k: [B] int (0 = off).  top_p: [B] float (1 = off).
+      logits: [B, V] float32.  rng: one PRNG key for the batch, or [B] keys (one per row: row b then
+        draws exactly what `sample_tokens(logits[b:b+1], rng[b], ...)` would).
+      temperature: [B] (0 = greedy).  top_k: [B] int (0 = off).  top_p: [B] float (1 = off).
 
     Returns:
       (tokens [B] int32, logprobs [B] float32 under the distribution sampled from).
@@ -46,8 +47,11 @@ def sample_tokens(
     filtered = jax.lax.cond(needs_filter, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
     argmax = jnp.argmax(logits, axis=-1)
     # Drawing B x V random numbers is a large share of a CPU decode step: skip it when all rows are greedy.
-    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax,
-                           lambda: jax.random.categorical(rng, filtered, axis=-1).astype(argmax.dtype))
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    per_row = rng.ndim == (1 if typed else 2)
+    draw = (lambda: jax.vmap(lambda key, row: jax.random.categorical(key, row[None], axis=-1)[0])(rng, filtered)) \
+        if per_row else (lambda: jax.random.categorical(rng, filtered, axis=-1))
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, lambda: draw().astype(argmax.dtype))
     tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
     log_q = jax.nn.log_softmax(jnp.where(greedy[:, None], logits, filtered), axis=-1)
     return tokens, jnp.take_along_axis(log_q, tokens[:, None], axis=-1)[:, 0]

@@ -468,10 +468,8 @@ def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts,
     n, p = last.shape[0], cache.max_length
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
-    token, logprob = jax.vmap(lambda lg, key, t, k, pp: decoding.sample_tokens(lg[None], key, t[None], k[None],
-                                                                                  pp[None]))(
-        last, keys, temperature, top_k, top_p)
-    token, logprob = token[:, 0], logprob[:, 0]
+    # One batched call (its filter / greedy branches decided once for all rows), per-row keys.
+    token, logprob = decoding.sample_tokens(last, keys, temperature, top_k, top_p)
 
     def put(caches, rows):  # per layer: cache [B, K, S, D], rows [N, K, P, D] -> slots' first P positions
         return tuple(c.at[slots, :, :p, :].set(r.astype(c.dtype), mode="drop") for c, r in zip(caches, rows))

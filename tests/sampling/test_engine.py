@@ -205,3 +205,21 @@ def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams
         for prompt, slot in zip(prompts, slots):
             np.testing.assert_allclose(np.asarray(x)[slot, :, :len(prompt)], np.asarray(y)[slot, :, :len(prompt)],
                                        atol=1e-5)
+
+
+def test_per_row_keys_draw_what_each_row_would_draw_alone():
+    logits = jax.random.normal(jax.random.PRNGKey(5), (5, 11)) * 3.0
+    keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(9), c))(jnp.arange(5))
+    temperature = jnp.asarray([1.0, 0.7, 1.0, 0.0, 2.0])
+    top_k, top_p = jnp.zeros((5,), jnp.int32), jnp.ones((5,))
+    tokens, logprobs = decoding.sample_tokens(logits, keys, temperature, top_k, top_p)
+    for b in range(5):
+        alone, alone_lp = decoding.sample_tokens(logits[b:b + 1], keys[b], temperature[b:b + 1], top_k[b:b + 1],
+                                                 top_p[b:b + 1])
+        assert int(tokens[b]) == int(alone[0])
+        np.testing.assert_allclose(logprobs[b], alone_lp[0], rtol=1e-6)
+    # Different keys per row, not one key for all: identical rows can draw different tokens.
+    same = jnp.broadcast_to(logits[0], (64, 11))
+    many = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(9), c))(jnp.arange(64))
+    drawn, _ = decoding.sample_tokens(same, many, jnp.ones((64,)), jnp.zeros((64,), jnp.int32), jnp.ones((64,)))
+    assert len(set(np.asarray(drawn).tolist())) > 1
