@@ -316,7 +316,7 @@ def forward(
     Returns:
       logits [B, T, V] in float32.
     """
-    x = _final_hidden(config, params, tokens, positions, segment_ids)
+    x = _last_block_output(config, params, tokens, positions, segment_ids)
     return Transformer(config).apply({"params": params}, x, method=Transformer.logits)
 
 
@@ -330,7 +330,7 @@ def hidden_states(
     """The final-normed hidden states [B, T, H] that `forward` projects to logits (same arguments):
     `forward(...) == hidden_states(...) @ output_kernel(...)`. With `chunked_logprobs_and_entropy`
     the learner never materialises the [B, T, V] logits."""
-    x = _final_hidden(config, params, tokens, positions, segment_ids)
+    x = _last_block_output(config, params, tokens, positions, segment_ids)
     return Transformer(config).apply({"params": params}, x, method=Transformer.normed)
 
 
@@ -339,7 +339,7 @@ def output_kernel(config: ModelConfig, params: Params) -> jax.Array:
     return Transformer(config).apply({"params": params}, method=Transformer.output_kernel)
 
 
-def _final_hidden(config: ModelConfig, params: Params, tokens, positions, segment_ids) -> jax.Array:
+def _last_block_output(config: ModelConfig, params: Params, tokens, positions, segment_ids) -> jax.Array:
     _check_tokens(config, tokens, 2)
     if positions is None:
         if segment_ids is None:
@@ -492,11 +492,14 @@ def _logprobs_entropy_fwd(logits, targets):
 
 def _logprobs_entropy_bwd(residuals, cotangents):
     z, p, lse, entropy, targets = residuals
-    g_logp, g_entropy = cotangents
+    return _logits_cotangent(z, p, lse, entropy, targets, *cotangents), None
+
+
+def _logits_cotangent(z, p, lse, entropy, targets, g_logp, g_entropy):
+    """dz = onehot(y) g_lp - p (g_lp + g_H (z - lse + H)): the cotangent of the logits z [..., V]."""
     onehot = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
-    dz = jnp.where(onehot, g_logp[..., None], 0.0) - p * (
+    return jnp.where(onehot, g_logp[..., None], 0.0) - p * (
         g_logp[..., None] + g_entropy[..., None] * (z - lse[..., None] + entropy[..., None]))
-    return dz, None
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
@@ -566,10 +569,7 @@ def _chunked_lp_ent_bwd(temperature, c, residuals, cotangents):
         h, y, lse_c, ent_c, g_lp, g_h = args
         z = _chunk_logits(h, kernel, temperature)
         p = jnp.exp(z - lse_c[..., None])
-        onehot = y[..., None] == jnp.arange(z.shape[-1], dtype=y.dtype)
-        dz = (jnp.where(onehot, g_lp[..., None], 0.0)
-              - p * (g_lp[..., None] + g_h[..., None] * (z - lse_c[..., None] + ent_c[..., None]))) / temperature
-        dz = dz.astype(kernel.dtype)
+        dz = (_logits_cotangent(z, p, lse_c, ent_c, y, g_lp, g_h) / temperature).astype(kernel.dtype)
         dh = jnp.einsum("bcv,hv->bch", dz, kernel, preferred_element_type=jnp.float32)
         d_kernel_t = d_kernel_t + jnp.einsum("bcv,bch->vh", dz, h.astype(kernel.dtype),
                                              preferred_element_type=jnp.float32)
