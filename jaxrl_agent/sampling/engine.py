@@ -40,6 +40,8 @@ engine_api, _, _, _, token_utils = import_jetstream()
 MIN_PREFILL_ROWS = 8
 MIN_BATCHED_PREFILL_BUCKET = 32
 MIN_PREFILL_BUCKET = 16
+# `generate` decodes the first R slots only, R a power-of-two fraction of the slots, at least this.
+MIN_DECODE_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +200,7 @@ class AgentEngine(engine_api.Engine):
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
         self._generate_fn = jax.jit(
             functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
-            donate_argnums=(1,))
+            donate_argnums=(1,), static_argnames=("rows",))
         self._prefill_count = 0
 
     # ---------------------------------------------------------------- weights
@@ -353,10 +355,27 @@ class AgentEngine(engine_api.Engine):
         return self._save_fn(decode_state, jnp.asarray(np.asarray(list(slots) + [0] * pad, np.int32)),
                              jnp.asarray(np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32)))
 
-    def generate(self, params, decode_state: DecodeState):
+    def decode_rows(self, live_slots: int | None) -> int:
+        """Slots a `generate` call decodes when every live slot lies below `live_slots`: the next
+        of B/8, B/4, B/2, B (at least 8) — four compiled shapes at most."""
+        b = self._slots
+        if live_slots is None or live_slots >= b:
+            return b
+        rows = max(MIN_DECODE_ROWS, b // 8)
+        while rows < live_slots:
+            rows *= 2
+        return min(rows, b)
+
+    def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None):
+        """`steps_per_call` decode steps. With `live_slots` (every slot holding a request lies below
+        it; the caller allocates the lowest free slot first), only the first `decode_rows(live_slots)`
+        slots are decoded: a step's cost is per slot decoded — the keys/values it reads, the rows of
+        its matmuls, the sampling — not per live request, and most of an iteration's tail, an
+        evaluation's end or an asynchronous run's waits on tools have few slots live. The other
+        slots' rows of the result are zero (not valid)."""
         del params
         params, version = self.current_params()
-        state, data = self._generate_fn(params, decode_state, jnp.int32(version))
+        state, data = self._generate_fn(params, decode_state, jnp.int32(version), rows=self.decode_rows(live_slots))
         k = self.steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                          length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
@@ -509,9 +528,16 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     )
 
 
-def _generate(config, steps, stop_ids, params, state: DecodeState, version):
+def _generate(config, steps, stop_ids, params, state: DecodeState, version, rows: int):
+    """`steps` decode steps over the first `rows` slots (static); the other slots are left as they are."""
     max_len = state.cache.max_length
     params = models.unstack_layers(params)  # once per call, not per step (see unstack_layers)
+    b = state.next_token.shape[0]
+    per_slot = ("next_token", "next_logprob", "next_version", "position", "generated", "active", "temperature",
+                "top_k", "top_p")
+    head = lambda x: x[:rows] if rows < b else x
+    sub = state.replace(cache=models.KVCache(tuple(head(c) for c in state.cache.k), tuple(head(c) for c in state.cache.v)),
+                        **{f: head(getattr(state, f)) for f in per_slot})
 
     def step(state: DecodeState, _):
         emit = (state.next_token, state.next_logprob, state.next_version, state.active)
@@ -535,10 +561,17 @@ def _generate(config, steps, stop_ids, params, state: DecodeState, version):
         )
         return new_state, emit
 
-    state, (tokens, logprobs, versions, valid) = jax.lax.scan(step, state, None, length=steps)
-    # [steps, B] -> [B, 4 * steps + 1] int32
+    sub, (tokens, logprobs, versions, valid) = jax.lax.scan(step, sub, None, length=steps)
+    # [steps, rows] -> [rows, 4 * steps + 1] int32
     data = jnp.concatenate([
-        tokens.T, valid.T.astype(jnp.int32), state.generated[:, None],
+        tokens.T, valid.T.astype(jnp.int32), sub.generated[:, None],
         jax.lax.bitcast_convert_type(logprobs.T.astype(jnp.float32), jnp.int32), versions.T,
     ], axis=1).astype(jnp.int32)
-    return state, data
+    if rows == b:
+        return sub, data
+    back = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), 0, axis=0)
+    state = state.replace(
+        cache=models.KVCache(tuple(back(f, p) for f, p in zip(state.cache.k, sub.cache.k)),
+                             tuple(back(f, p) for f, p in zip(state.cache.v, sub.cache.v))),
+        rng=sub.rng, **{f: back(getattr(state, f), getattr(sub, f)) for f in per_slot})
+    return state, jnp.pad(data, ((0, b - rows), (0, 0)))

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import heapq
 import logging
 import threading
 import time
@@ -185,6 +186,8 @@ class LocalSampler:
         engine = self.engine
         state = engine.init_decode_state()
         slots: dict[int, _Request] = {}
+        # A heap: the lowest free slot is taken first, so live requests stay packed at the front and
+        # `generate` decodes only as many slots as the highest live one needs.
         free = list(range(engine.max_concurrent_decodes))
         while True:
             with self._wake:
@@ -198,18 +201,18 @@ class LocalSampler:
                     return
                 admitted = []
                 while free and self._pending:
-                    admitted.append((free.pop(), self._pending.popleft()))
+                    admitted.append((heapq.heappop(free), self._pending.popleft()))
             if admitted:
                 state = self._admit(state, admitted, slots, free)
             if not slots:
                 continue
             try:
-                state, result = engine.generate(None, state)
+                state, result = engine.generate(None, state, live_slots=max(slots) + 1)
                 data = np.asarray(result.data)
             except Exception as err:  # noqa: BLE001 - fail the in-flight requests, keep serving
                 for slot, request in slots.items():
                     request.future.set_exception(err)
-                    free.append(slot)
+                    heapq.heappush(free, slot)
                 slots.clear()
                 state = engine.init_decode_state()
                 self.prefix_index = PrefixIndex(engine.prefix_cache_entries)  # the new state's pool is empty
@@ -227,7 +230,7 @@ class LocalSampler:
                 state = engine.free_slots(state, finished)
             for slot in finished:
                 request = slots.pop(slot)
-                free.append(slot)
+                heapq.heappush(free, slot)
                 self.stats["requests"] += 1
                 request.future.set_result(request.builder.completion())
 
@@ -241,7 +244,7 @@ class LocalSampler:
         for slot, request in admitted:
             if slot in errors:
                 request.future.set_exception(errors[slot])
-                free.append(slot)
+                heapq.heappush(free, slot)
             else:
                 slots[slot] = request
         return state

@@ -22,6 +22,7 @@ import json
 import logging
 import queue
 import struct
+import threading
 from typing import Any
 
 import grpc
@@ -60,18 +61,31 @@ class TokenChunk:
 class SamplerDriver(orchestrator.Driver):
     """JetStream's Driver with our prefill, generate and detokenize threads.
 
-    The prefill thread validates a request (ids, no BOS, no truncation, its sampling params); the
-    generate thread prefills the requests it admits in batches, continuing cached prefixes (as
-    `LocalSampler` does, through `local.admit_requests`), and decodes; the detokenize thread turns
-    rows into log-probs, versions and finish reasons, and hands finished slots whose keys/values a
-    next turn may reuse back to the generate thread (before the slot itself, so that they are
-    saved before the slot is reused). Bad requests fail alone.
+    The prefill thread validates a request (ids, no BOS, no truncation, its sampling params) and
+    queues it for admission; the generate thread prefills the requests it admits in batches,
+    continuing cached prefixes (as `LocalSampler` does, through `local.admit_requests`), and
+    decodes; the detokenize thread turns rows into log-probs, versions and finish reasons, and hands
+    finished slots whose keys/values a next turn may reuse back to the generate thread (before the
+    slot itself, so that they are saved before the slot is reused). Bad requests fail alone.
+
+    Two departures from JetStream 0.2.2's pipeline, both measured on the RL loop's many short
+    turns: validated requests go straight to an unbounded admission queue that the generate thread
+    drains in one go (JetStream hands them on one at a time through a transfer thread and two
+    queues of size 1 in interleaved mode: a thread wake-up per request before a batch can form),
+    and at most `pipeline_depth` generate calls run ahead of the detokenize thread (JetStream lets
+    8 run ahead: a slot whose request finished kept decoding for up to 8 calls before the generate
+    thread saw it free).
     """
 
-    def __init__(self, engine: AgentEngine, default_sampling: SamplingParams):
+    def __init__(self, engine: AgentEngine, default_sampling: SamplingParams, pipeline_depth: int = 2):
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth={pipeline_depth}: expected >= 1 generate call in flight")
         self.engine = engine
         self.default_sampling = default_sampling
         self._finished_prefixes: queue.Queue = queue.Queue()  # (slot, tokens, version), detokenize -> generate
+        self._admission: queue.Queue = queue.Queue()  # validated requests, prefill -> generate
+        # Generate calls not yet turned into tokens by the detokenize thread, at most pipeline_depth.
+        self._calls_in_flight = threading.Semaphore(pipeline_depth)
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0}
         super().__init__(prefill_engines=[engine], generate_engines=[engine], prefill_params=[None],
                          generate_params=[None], interleaved_mode=True)
@@ -100,7 +114,7 @@ class SamplerDriver(orchestrator.Driver):
                 log.warning("prefill failed: %s", err)
                 self._fail(request, f"{type(err).__name__}: {err}")
                 continue
-            self._transfer_backlogs[idx].put(request, block=True)
+            self._admission.put(request)
 
     def _generate_thread(self, idx: int):
         """Admits waiting requests into free slots (batched prefills), then takes one decode step; repeats.
@@ -112,11 +126,11 @@ class SamplerDriver(orchestrator.Driver):
         """
         engine = self._generate_engines[idx]
         slots = self._generate_slots[idx]
-        backlog = self._generate_backlogs[idx]
         detokenize = self._detokenize_backlogs[idx]
         decode_state = engine.init_decode_state()
         index = PrefixIndex(engine.prefix_cache_entries)
         step = 0
+        live: set[int] = set()  # slots holding a request (or finished, not yet handed back)
         while self.live:
             free = []
             while True:
@@ -124,6 +138,10 @@ class SamplerDriver(orchestrator.Driver):
                     free.append(slots.get(block=False))
                 except queue.Empty:
                     break
+            live.difference_update(free)
+            # Lowest slots first (popped from the end): live requests stay packed at the front, and
+            # a generate call decodes only as many slots as the highest live one needs.
+            free.sort(reverse=True)
             finished = []
             while True:  # queued before their slots were: saved before the slots are reused
                 try:
@@ -135,10 +153,11 @@ class SamplerDriver(orchestrator.Driver):
             idle = len(free) == engine.max_concurrent_decodes
             admitted = []
             while free:
-                prefill_pending = not self._prefill_backlog.empty() or not self._transfer_backlogs[idx].empty()
-                wait = (idle and not admitted) or prefill_pending
+                # Block only when there is nothing to decode, or while the prefill thread is still
+                # validating requests that arrived together (so that they are admitted together).
+                wait = (idle and not admitted) or not self._prefill_backlog.empty()
                 try:
-                    request = backlog.get(block=wait, timeout=1.0 if wait else None)
+                    request = self._admission.get(block=wait, timeout=0.5 if wait else None)
                 except queue.Empty:
                     if idle and not admitted and self.live:
                         continue  # nothing to decode: keep waiting for work
@@ -161,12 +180,16 @@ class SamplerDriver(orchestrator.Driver):
                     request.generate_timestep_added = step
                     request.complete = np.zeros((engine.samples_per_slot,), np.bool_)
                     detokenize.put((slot, request), block=True)
+                    live.add(slot)
                     idle = False
             for slot in free:
                 slots.put(slot, block=False)
             if idle or not self.live:
                 continue
-            decode_state, result = engine.generate(None, decode_state)
+            while not self._calls_in_flight.acquire(timeout=0.5):  # released by the detokenize thread
+                if not self.live:
+                    return
+            decode_state, result = engine.generate(None, decode_state, live_slots=max(live) + 1 if live else None)
             result.copy_to_host_async()
             detokenize.put((step, result), block=True)
             step += 1
@@ -187,26 +210,33 @@ class SamplerDriver(orchestrator.Driver):
                 max_tokens = request.sampling.max_tokens if isinstance(request, DetailedRequest) else request.max_tokens
                 live[slot] = (request, CompletionBuilder(max(1, max_tokens), stop_ids))
                 continue
-            data = np.asarray(item[1].data)
-            for slot in list(live):
-                request, builder = live[slot]
-                tokens, logprobs, versions = builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
-                if isinstance(request, DetailedRequest):
-                    if tokens or builder.finish_reason:
-                        request.enqueue_samples(TokenChunk(tokens, logprobs, versions, builder.finish_reason))
-                else:
-                    streamed = [t for t in tokens if t not in stop_ids]  # JetStream does not stream stop tokens
-                    if streamed:
-                        request.enqueue_samples([token_utils.ReturnSample(
-                            text=[tokenizer.decode([t]) for t in streamed], token_ids=streamed)])
-                if builder.finish_reason is not None:
-                    request.return_channel.close()
-                    del live[slot]
-                    if prefix_reusable(engine, request.prompt_ids, builder, request.admitted_version):
-                        self._finished_prefixes.put(
-                            (slot, np.concatenate([request.prompt_ids, np.asarray(builder.tokens, np.int32)]),
-                             request.admitted_version))
-                    slots_queue.put(slot, block=False)
+            try:
+                data = np.asarray(item[1].data)
+                for slot in list(live):
+                    request, builder = live[slot]
+                    tokens, logprobs, versions = builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
+                    if isinstance(request, DetailedRequest):
+                        # Our Generate is unary: the whole completion goes back in one chunk when it
+                        # ends (a chunk per call woke the server's event loop for every slot and call).
+                        if builder.finish_reason:
+                            request.enqueue_samples(TokenChunk(builder.tokens, builder.logprobs, builder.versions,
+                                                               builder.finish_reason))
+                    else:
+                        streamed = [t for t in tokens if t not in stop_ids]  # JetStream does not stream stop tokens
+                        if streamed:
+                            request.enqueue_samples([token_utils.ReturnSample(
+                                text=[tokenizer.decode([t]) for t in streamed], token_ids=streamed)])
+                    if builder.finish_reason is not None:
+                        request.return_channel.close()
+                        del live[slot]
+                        if prefix_reusable(engine, request.prompt_ids, builder, request.admitted_version):
+                            self._finished_prefixes.put(
+                                (slot, np.concatenate([request.prompt_ids, np.asarray(builder.tokens, np.int32)]),
+                                 request.admitted_version))
+                        slots_queue.put(slot, block=False)
+            finally:
+                # After the freed slots are back in their queue: the next call can take them.
+                self._calls_in_flight.release()
 
 
 class SamplerOrchestrator(orchestrator.LLMOrchestrator):

@@ -9,6 +9,7 @@ import pytest
 from jaxrl_agent import models, tokenizer as tok
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling import decoding
+from jaxrl_agent.sampling.engine import decode_result_row
 
 TOKENIZER = tok.CharTokenizer()
 CONFIG = models.ModelConfig(vocab_size=TOKENIZER.vocab_size, num_layers=2, hidden_size=64, num_heads=4,
@@ -223,3 +224,56 @@ def test_per_row_keys_draw_what_each_row_would_draw_alone():
     many = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(9), c))(jnp.arange(64))
     drawn, _ = decoding.sample_tokens(same, many, jnp.ones((64,)), jnp.zeros((64,), jnp.int32), jnp.ones((64,)))
     assert len(set(np.asarray(drawn).tolist())) > 1
+
+
+def test_generate_decodes_only_the_slots_below_the_highest_live_one():
+    """`live_slots`: the first decode_rows(live) slots are decoded exactly as a full call decodes
+    them; every other slot (cache, position, pending token) is left as it was."""
+    engine = _engine(max_concurrent_decodes=32)
+    assert [engine.decode_rows(n) for n in (None, 1, 8, 9, 16, 17, 33, 40)] == [32, 8, 8, 16, 16, 32, 32, 32]
+    prompts = [np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS[:4]]
+    slots = [0, 2, 1, 20]  # slot 20 holds a request the compact call must not touch
+    greedy = [SamplingParams(temperature=0.0)] * 4
+
+    def fresh_state():
+        return engine.prefill_insert_many(prompts, greedy, engine.init_decode_state(), slots)
+
+    before = jax.device_get(fresh_state())
+    full_state, full = engine.generate(None, fresh_state())
+    compact_state, compact = engine.generate(None, fresh_state(), live_slots=3)
+    full, compact = np.asarray(full.data), np.asarray(compact.data)
+    for slot in range(8):  # tokens, valid flags, lengths, versions exactly; log-probs to float rounding
+        got, want = decode_result_row(compact, slot, 3), decode_result_row(full, slot, 3)
+        for key in ("tokens", "valid", "length", "versions"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-6)
+    assert not compact[8:].any()  # rows not decoded: no valid tokens
+    assert full[20, 3:6].all()  # while the full call did decode slot 20
+    for name in ("position", "next_token", "generated", "active"):
+        got = np.asarray(getattr(compact_state, name))
+        np.testing.assert_array_equal(got[:8], np.asarray(getattr(full_state, name))[:8], err_msg=name)
+        np.testing.assert_array_equal(got[8:], np.asarray(getattr(before, name))[8:], err_msg=name)
+    for got, want, old in zip(compact_state.cache.k + compact_state.cache.v, full_state.cache.k + full_state.cache.v,
+                              before.cache.k + before.cache.v):
+        np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got)[8:], np.asarray(old)[8:])
+
+
+def test_requests_of_different_lengths_through_many_slots_decode_exactly():
+    """The sampler packs live requests into the lowest slots and decodes only those: as requests of
+    different lengths finish, calls shrink, and every request still equals argmax decoding."""
+    engine = _engine(max_concurrent_decodes=32)
+    calls = []
+    real = engine.generate
+    engine.generate = lambda params, state, **kw: calls.append(engine.decode_rows(kw.get("live_slots"))) or real(
+        params, state, **kw)
+    requests = [(PROMPTS[i % len(PROMPTS)], 2 + (5 * i) % 11) for i in range(12)]
+    with LocalSampler(engine) as sampler:
+        futures = [sampler.submit(TOKENIZER.encode(p), SamplingParams(temperature=0.0, max_tokens=n))
+                   for p, n in requests]
+        completions = [f.result() for f in futures]
+    for (prompt, n), completion in zip(requests, completions):
+        expected, expected_lps = _greedy_reference(TOKENIZER.encode(prompt), n)
+        assert list(completion.token_ids) == expected, prompt
+        np.testing.assert_allclose(completion.logprobs, expected_lps, atol=1e-5)
+    assert max(calls) <= 16 and min(calls) == 8  # 12 requests never need more than 16 of the 32 slots
