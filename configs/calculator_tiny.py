@@ -146,6 +146,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.iterations = 100  # Sample -> learn iterations (~5 s each on 2 cores).
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
     config.rl.stop_after_trained_tokens = 0  # End RL once this many tokens were trained (0 = run all iterations).
+    # Wall-clock budget of the whole run, in minutes (0 = none): RL ends at the last iteration boundary
+    # after which one more iteration and the final checkpoint and evaluation would not fit.
+    config.rl.time_budget_minutes = 0.0
     config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.

@@ -8,6 +8,9 @@ RL iteration (synchronous schedule, on-policy):
      objective (default: token-level mirror descent + token clipping + TIS);
   5. log metrics; evaluate greedy pass@1 on held-out tasks every `eval.every` iterations;
      checkpoint every `checkpoint.every` iterations and at the end.
+RL ends after `rl.iterations`, or earlier once `rl.stop_after_trained_tokens` tokens were trained,
+or at the last iteration boundary that keeps the run within `rl.time_budget_minutes` of wall time
+(counted across resumed segments; the final checkpoint and evaluation included).
 `train_and_evaluate(config, workdir)` is importable from a notebook; `launch/tpu_run.py` calls it.
 """
 
@@ -200,6 +203,13 @@ class Trainer:
         self.nonzero_share = 1.0  # running share of groups with signal (DAPO over-sampling)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
+        if config.rl.time_budget_minutes < 0:
+            raise ValueError(f"rl.time_budget_minutes={config.rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
+        # Wall time of the run so far: this process since it started building, plus what earlier
+        # segments of a resumed run recorded in their last checkpoint.
+        self.started = time.monotonic() - (float(self.resume_meta.get("elapsed_seconds", 0.0))
+                                           if self.resume_meta is not None else 0.0)
+        self.last_eval_seconds = 0.0
 
     # ---------------------------------------------------------------- helpers
     def _make_allocator(self):
@@ -255,9 +265,13 @@ class Trainer:
             env = ToolLatency(env, self.config.env.tool_latency_s, alpha=self.config.env.tool_latency_alpha)
         return rollout.InProcessEnv(env, executor=self.env_threads)
 
+    def elapsed_seconds(self) -> float:
+        return time.monotonic() - self.started
+
     def _meta(self, stage: str, iteration: int) -> dict:
         kind, keys, pos, has_gauss, cached = self.rng.get_state()
         return {"stage": stage, "iteration": iteration, "version": self.version, "task_seed": self.task_seed,
+                "elapsed_seconds": self.elapsed_seconds(),
                 "trained_tokens_total": self.trained_tokens_total,
                 "rng": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
                 "replay": self.buffer.state_dict(), "nonzero_share": self.nonzero_share,
@@ -296,6 +310,7 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
         c = self.config.eval
+        started = time.monotonic()
         results = {}
         for d in self.eval_difficulties:
             tasks = [self.env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, d) for i in range(c.tasks_per_difficulty)]
@@ -314,6 +329,7 @@ class Trainer:
         trained = [results[f"eval/pass@1/d{d}"] for d in self.eval_difficulties if d in self.train_difficulties]
         # The headline number: greedy success on held-out tasks of the levels RL trains on.
         results["eval/success"] = float(np.mean(trained)) if trained else 0.0
+        self.last_eval_seconds = time.monotonic() - started
         return results
 
     # ---------------------------------------------------------------- SFT
@@ -401,20 +417,41 @@ class Trainer:
                                             token_budget=schedule.token_budget, seed=self.config.seed)
         if self.resume_meta is not None and self.resume_meta.get("pending"):
             self.runner.restore_pending(self.resume_meta["pending"])
+        durations: list[float] = []  # RL iterations' wall time, evaluations and checkpoints included
         try:
             for iteration in range(first_iteration, c.iterations + 1):
+                iteration_started = time.monotonic()
                 state = self._rl_iteration(iteration, schedule, state, step_fn)
+                durations.append(time.monotonic() - iteration_started)
+                reason = None
                 if c.stop_after_trained_tokens and self.trained_tokens_total >= c.stop_after_trained_tokens:
+                    reason = "trained_tokens"
+                elif iteration < c.iterations and not self._time_for_another_iteration(durations):
+                    reason = "time_budget"
+                if reason is not None:
                     # End as a finished run does: a checkpoint and an evaluation of this iteration
                     # (unless the iteration's schedule already made them).
                     if iteration % self.config.checkpoint.every != 0 and iteration != c.iterations:
                         self._checkpoint("rl", iteration, state)
                     if iteration % self.config.eval.every != 0 and iteration != c.iterations:
                         self.writer.write("rl_eval", iteration, self.evaluate())
+                    self.writer.write("rl_end", iteration, {"reason": reason, "iterations": iteration,
+                                                            "elapsed_seconds": self.elapsed_seconds()})
                     break
         finally:
             self.runner.close()
             self.runner = None
+
+    def _time_for_another_iteration(self, durations: list[float]) -> bool:
+        """Whether one more RL iteration, then the final checkpoint and evaluation, still fit in
+        `rl.time_budget_minutes` (0 = always). The next iteration is estimated as the slowest of
+        the last five (an evaluation or checkpoint may fall in it), the final evaluation as the
+        last one's duration."""
+        budget = 60.0 * self.config.rl.time_budget_minutes
+        if budget <= 0:
+            return True
+        next_iteration = max(durations[-5:])
+        return self.elapsed_seconds() + next_iteration + self.last_eval_seconds <= budget
 
     def _exploration_guards(self, record: dict) -> dict:
         """Flags exploration collapse: sampled-token entropy or distinct solutions per task below

@@ -211,6 +211,40 @@ def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_
     assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
 
 
+def test_time_budget_ends_rl_at_an_iteration_boundary_with_a_checkpoint_and_an_evaluation(tmp_path):
+    config = tiny_config(tmp_path)
+    config.rl.iterations = 50
+    # Already spent by the time RL starts (the initial and post-SFT evaluations take longer).
+    config.rl.time_budget_minutes = 1e-4
+    config.checkpoint.every = 100
+    config.eval.every = 100
+    config.eval.pass_k = 0
+    config.sft.steps = 1
+    config.metrics.tensorboard = False
+    records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
+    assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
+    (end,) = [r for r in records if r["stage"] == "rl_end"]
+    assert end["reason"] == "time_budget" and end["iterations"] == 1 and end["elapsed_seconds"] > 0
+    # The run's wall time so far is checkpointed: a resumed run keeps counting from it.
+    meta = trainer.Checkpointer(str(tmp_path / "checkpoints"), 2).latest_meta()
+    assert meta["iteration"] == 1 and 0 < meta["elapsed_seconds"] <= end["elapsed_seconds"]
+    config.resume = True
+    config.rl.time_budget_minutes = 0.0
+    resumed = trainer.Trainer(config, str(tmp_path), quiet=True)
+    try:
+        assert resumed.elapsed_seconds() >= meta["elapsed_seconds"]
+    finally:
+        resumed.close()
+
+
+def test_a_negative_time_budget_is_rejected(tmp_path):
+    config = tiny_config(tmp_path)
+    config.rl.time_budget_minutes = -1.0
+    with pytest.raises(ValueError, match="time_budget_minutes=-1.0"):
+        trainer.Trainer(config, str(tmp_path), quiet=True)
+
+
 def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
     config = tiny_config(tmp_path)
     config.allocation.strategy = "knapsack"
