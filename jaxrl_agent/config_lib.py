@@ -84,3 +84,21 @@ def run_app(main, argv: Sequence[str] | None = None) -> None:
     except (ConfigOverrideError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     app.run(main)
+
+
+def enable_compilation_cache(config) -> str | None:
+    """Turns on JAX's persistent compilation cache in `config.compilation_cache_dir` ('' = off;
+    the JAX_COMPILATION_CACHE_DIR environment variable, when set, wins). Every process of a run
+    (the trainer and its sampler servers) uses the same folder, so a shape compiled once — by an
+    earlier run, or by another process — is loaded instead of compiled. Returns the folder used."""
+    import os
+
+    import jax
+
+    cache_dir = config.get("compilation_cache_dir", "")
+    if not cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ.get("JAX_COMPILATION_CACHE_DIR") or None
+    cache_dir = os.path.expanduser(cache_dir)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return cache_dir

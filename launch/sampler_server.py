@@ -25,10 +25,13 @@ def main(argv):
     # JetStream logs every decode step at INFO on the root logger.
     logging.getLogger().setLevel(logging.WARNING)
 
-    from jaxrl_agent import build
+    from jaxrl_agent import build, config_lib
     from jaxrl_agent.sampling import engine as engine_lib, server
 
     config = _CONFIG.value
+    # The run's persistent compilation cache: servers of one run (and of later runs) share compiled
+    # prefill and decode shapes instead of each compiling them while the learner waits.
+    config_lib.enable_compilation_cache(config)
     model_config, params = build.build_model(config)
     engine = build.build_engine(config, model_config, params, build.build_tokenizer(config))
     default = engine_lib.SamplingParams(temperature=config.sampler.default_temperature)

@@ -8,7 +8,6 @@ passing --distributed).
 """
 
 
-import os
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -31,11 +30,10 @@ def main(argv):
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     # Quiet orbax / absl INFO chatter: the run's own progress lines are printed to stdout.
     logging.set_verbosity(logging.WARNING)
-    cache_dir = _CONFIG.value.compilation_cache_dir
-    if cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        # JAX's persistent compilation cache: a second run (or a resume) skips recompiling.
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from jaxrl_agent import config_lib
+
+    # JAX's persistent compilation cache: a second run (or a resume) skips recompiling.
+    config_lib.enable_compilation_cache(_CONFIG.value)
     if _MODE.value == "smoke":
         from jaxrl_agent import build
 
