@@ -496,10 +496,17 @@ def _logprobs_entropy_bwd(residuals, cotangents):
 
 
 def _logits_cotangent(z, p, lse, entropy, targets, g_logp, g_entropy):
-    """dz = onehot(y) g_lp - p (g_lp + g_H (z - lse + H)): the cotangent of the logits z [..., V]."""
-    onehot = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
-    return jnp.where(onehot, g_logp[..., None], 0.0) - p * (
-        g_logp[..., None] + g_entropy[..., None] * (z - lse[..., None] + entropy[..., None]))
+    """dz = onehot(y) g_lp - p (g_lp + g_H (z - lse + H)): the cotangent of the logits z [..., V].
+    A cotangent given as None is zero and its terms are skipped (one vocabulary-wide pass each)."""
+    if g_logp is None and g_entropy is None:
+        return jnp.zeros_like(z)
+    dz = 0.0
+    if g_logp is not None:
+        onehot = targets[..., None] == jnp.arange(z.shape[-1], dtype=targets.dtype)
+        dz = jnp.where(onehot, g_logp[..., None], 0.0) - p * g_logp[..., None]
+    if g_entropy is not None:
+        dz = dz - p * (g_entropy[..., None] * (z - lse[..., None] + entropy[..., None]))
+    return dz
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd)
@@ -551,6 +558,10 @@ def _chunked_lp_ent(hidden, kernel, targets, temperature, c):
 
 
 def _chunked_lp_ent_fwd(hidden, kernel, targets, temperature, c):
+    # symbolic_zeros=True: the differentiable inputs arrive as CustomVJPPrimal records.
+    hidden, kernel, targets = (x.value if isinstance(x, jax.custom_derivatives.CustomVJPPrimal) else x
+                               for x in (hidden, kernel, targets))
+
     def one(args):
         h, y = args
         (logp, entropy), (_, _, lse, _, _) = _logprobs_entropy_fwd(_chunk_logits(h, kernel, temperature), y)
@@ -563,7 +574,11 @@ def _chunked_lp_ent_fwd(hidden, kernel, targets, temperature, c):
 
 def _chunked_lp_ent_bwd(temperature, c, residuals, cotangents):
     hidden, kernel, targets, lse, entropy = residuals
-    g_logp, g_entropy = cotangents
+    # An output the loss does not use (the entropy, when it is only logged) has a symbolic zero
+    # cotangent: its vocabulary-wide term is left out of the backward pass.
+    g_logp, g_entropy = (None if isinstance(g, jax.custom_derivatives.SymbolicZero) else g for g in cotangents)
+    if g_logp is None and g_entropy is None:
+        return jnp.zeros_like(hidden), jnp.zeros_like(kernel), None
 
     def one(d_kernel_t, args):
         h, y, lse_c, ent_c, g_lp, g_h = args
@@ -575,13 +590,13 @@ def _chunked_lp_ent_bwd(temperature, c, residuals, cotangents):
                                              preferred_element_type=jnp.float32)
         return d_kernel_t, dh.astype(hidden.dtype)
 
-    chunks = tuple(_as_chunks(x, c) for x in (hidden, targets, lse, entropy, g_logp, g_entropy))
+    chunks = tuple(None if x is None else _as_chunks(x, c) for x in (hidden, targets, lse, entropy, g_logp, g_entropy))
     zeros = jnp.zeros(kernel.shape[::-1], jnp.float32)
     d_kernel_t, d_hidden = jax.lax.scan(one, zeros, chunks)
     return _from_chunks(d_hidden), d_kernel_t.T.astype(kernel.dtype), None
 
 
-_chunked_lp_ent.defvjp(_chunked_lp_ent_fwd, _chunked_lp_ent_bwd)
+_chunked_lp_ent.defvjp(_chunked_lp_ent_fwd, _chunked_lp_ent_bwd, symbolic_zeros=True)
 
 
 def count_params(params: Params) -> int:

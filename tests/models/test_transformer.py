@@ -189,9 +189,11 @@ def test_chunked_logprobs_and_entropy_match_the_full_logits_path(chunk):
     for got, want in zip(chunked(hidden, kernel), reference(hidden, kernel)):
         assert got.shape == (2, 7)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for a, b in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
+    # a or b None: that output is not used at all (a symbolic zero cotangent, its term skipped).
+    for a, b in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (1.0, None), (None, 1.0)):
         def objective(fn, a=a, b=b):
-            return lambda h, w: jnp.sum(a * w_logp * fn(h, w)[0]) + jnp.sum(b * w_entropy * fn(h, w)[1])
+            return lambda h, w: (0.0 if a is None else jnp.sum(a * w_logp * fn(h, w)[0])) + (
+                0.0 if b is None else jnp.sum(b * w_entropy * fn(h, w)[1]))
 
         got = jax.jit(jax.grad(objective(chunked), argnums=(0, 1)))(hidden, kernel)
         want = jax.grad(objective(reference), argnums=(0, 1))(hidden, kernel)
