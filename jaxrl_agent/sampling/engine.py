@@ -40,7 +40,7 @@ engine_api, _, _, _, token_utils = import_jetstream()
 MIN_PREFILL_ROWS = 8
 MIN_BATCHED_PREFILL_BUCKET = 32
 MIN_PREFILL_BUCKET = 16
-# `generate` decodes the first R slots only, R a power-of-two fraction of the slots, at least this.
+# `generate` decodes the first R slots only, R = B/8 or B/4 of the B slots, at least this.
 MIN_DECODE_ROWS = 8
 
 
@@ -356,15 +356,17 @@ class AgentEngine(engine_api.Engine):
                              jnp.asarray(np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32)))
 
     def decode_rows(self, live_slots: int | None) -> int:
-        """Slots a `generate` call decodes when every live slot lies below `live_slots`: the next
-        of B/8, B/4, B/2, B (at least 8) — four compiled shapes at most."""
+        """Slots a `generate` call decodes when every live slot lies below `live_slots`: B/8 or B/4
+        (at least 8) when that covers them, else all B — three compiled shapes at most. (Half the
+        slots saved almost nothing: copying their keys/values out of and back into the cache cost
+        about what the other half's decoding did; benchmarks/decode_occupancy.py.)"""
         b = self._slots
-        if live_slots is None or live_slots >= b:
+        if live_slots is None:
             return b
-        rows = max(MIN_DECODE_ROWS, b // 8)
-        while rows < live_slots:
-            rows *= 2
-        return min(rows, b)
+        for rows in (max(MIN_DECODE_ROWS, b // 8), max(MIN_DECODE_ROWS, b // 4)):
+            if live_slots <= rows < b:
+                return rows
+        return b
 
     def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None):
         """`steps_per_call` decode steps. With `live_slots` (every slot holding a request lies below

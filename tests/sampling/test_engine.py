@@ -230,7 +230,8 @@ def test_generate_decodes_only_the_slots_below_the_highest_live_one():
     """`live_slots`: the first decode_rows(live) slots are decoded exactly as a full call decodes
     them; every other slot (cache, position, pending token) is left as it was."""
     engine = _engine(max_concurrent_decodes=32)
-    assert [engine.decode_rows(n) for n in (None, 1, 8, 9, 16, 17, 33, 40)] == [32, 8, 8, 16, 16, 32, 32, 32]
+    assert [engine.decode_rows(n) for n in (None, 1, 8, 9, 16, 17, 33, 40)] == [32, 8, 8, 32, 32, 32, 32, 32]
+    assert [_engine(max_concurrent_decodes=64).decode_rows(n) for n in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 64, 64]
     prompts = [np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS[:4]]
     slots = [0, 2, 1, 20]  # slot 20 holds a request the compact call must not touch
     greedy = [SamplingParams(temperature=0.0)] * 4
@@ -262,7 +263,7 @@ def test_generate_decodes_only_the_slots_below_the_highest_live_one():
 def test_requests_of_different_lengths_through_many_slots_decode_exactly():
     """The sampler packs live requests into the lowest slots and decodes only those: as requests of
     different lengths finish, calls shrink, and every request still equals argmax decoding."""
-    engine = _engine(max_concurrent_decodes=32)
+    engine = _engine(max_concurrent_decodes=64)
     calls = []
     real = engine.generate
     engine.generate = lambda params, state, **kw: calls.append(engine.decode_rows(kw.get("live_slots"))) or real(
@@ -276,4 +277,4 @@ def test_requests_of_different_lengths_through_many_slots_decode_exactly():
         expected, expected_lps = _greedy_reference(TOKENIZER.encode(prompt), n)
         assert list(completion.token_ids) == expected, prompt
         np.testing.assert_allclose(completion.logprobs, expected_lps, atol=1e-5)
-    assert max(calls) <= 16 and min(calls) == 8  # 12 requests never need more than 16 of the 32 slots
+    assert max(calls) == 16 and min(calls) == 8  # 12 requests never need more than 16 of the 64 slots
