@@ -118,8 +118,15 @@ class SamplerServers:
                     f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
         launcher = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
                                 "sampler_server.py")
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu") \
-            if jax.default_backend() == "cpu" else dict(os.environ)
+        env = dict(os.environ)
+        if jax.default_backend() == "cpu":
+            # One CPU device per server (not a simulated mesh a test may have asked this process
+            # for); other XLA flags are kept, since they are part of the persistent cache's key.
+            flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+            env.pop("XLA_FLAGS", None)
+            if flags:
+                env["XLA_FLAGS"] = " ".join(flags)
+            env["JAX_PLATFORMS"] = "cpu"
         self.processes = [subprocess.Popen([sys.executable, launcher, "--config", config_path, "--port", "0"],
                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
                           for _ in range(n)]

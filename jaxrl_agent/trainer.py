@@ -160,6 +160,7 @@ class Trainer:
     """The pieces of a run, built once from the config."""
 
     def __init__(self, config, workdir: str, *, quiet: bool = False):
+        building = time.monotonic()  # the run's clock starts here (sampler servers start below)
         self.config = config
         self.workdir = workdir
         self.writer = MetricsWriter(workdir, quiet=quiet, tensorboard=config.metrics.tensorboard)
@@ -181,6 +182,8 @@ class Trainer:
                              f"{config.learner.row_length}: episodes that long could never be trained on")
         if config.learner.logits_chunk < 0:
             raise ValueError(f"learner.logits_chunk={config.learner.logits_chunk}: expected >= 0 (0 = whole rows)")
+        if config.rl.time_budget_minutes < 0:
+            raise ValueError(f"rl.time_budget_minutes={config.rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
         self.servers = None
         if config.sampler.num_servers > 0:
             # JetStream server processes; the learner pushes weights to them over gRPC.
@@ -203,12 +206,10 @@ class Trainer:
         self.nonzero_share = 1.0  # running share of groups with signal (DAPO over-sampling)
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
         self.resume_meta = self.checkpointer.latest_meta() if config.resume else None
-        if config.rl.time_budget_minutes < 0:
-            raise ValueError(f"rl.time_budget_minutes={config.rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
         # Wall time of the run so far: this process since it started building, plus what earlier
         # segments of a resumed run recorded in their last checkpoint.
-        self.started = time.monotonic() - (float(self.resume_meta.get("elapsed_seconds", 0.0))
-                                           if self.resume_meta is not None else 0.0)
+        self.started = building - (float(self.resume_meta.get("elapsed_seconds", 0.0))
+                                   if self.resume_meta is not None else 0.0)
         self.last_eval_seconds = 0.0
 
     # ---------------------------------------------------------------- helpers

@@ -32,7 +32,9 @@ def main(argv):
     # The run's persistent compilation cache: servers of one run (and of later runs) share compiled
     # prefill and decode shapes instead of each compiling them while the learner waits.
     config_lib.enable_compilation_cache(config)
-    model_config, params = build.build_model(config)
+    # Laid out as the trainer lays out its own (in-process) engine's parameters: the same compiled
+    # programs, so the two share persistent-cache entries.
+    model_config, params = build.build_model(config, build.build_mesh(config))
     engine = build.build_engine(config, model_config, params, build.build_tokenizer(config))
     default = engine_lib.SamplingParams(temperature=config.sampler.default_temperature)
 
