@@ -143,12 +143,15 @@ def get_config() -> ml_collections.ConfigDict:
     config.sft.eval_every = 0  # Held-out evaluation every N SFT updates (0 = only after SFT).
 
     config.rl = ml_collections.ConfigDict()
-    config.rl.iterations = 100  # Sample -> learn iterations (~5 s each on 2 cores).
+    # Sample -> learn iterations (~3.7 s each on 2 cores in process): a cap; the time budget below
+    # ends RL first on a 2-core machine (about 180 iterations in process, fewer with servers).
+    config.rl.iterations = 250
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
     config.rl.stop_after_trained_tokens = 0  # End RL once this many tokens were trained (0 = run all iterations).
     # Wall-clock budget of the whole run, in minutes (0 = none): RL ends at the last iteration boundary
-    # after which one more iteration and the final checkpoint and evaluation would not fit.
-    config.rl.time_budget_minutes = 0.0
+    # after which one more iteration and the final checkpoint and evaluation would not fit. 14 keeps
+    # the default command, start-up included, within 15 minutes on 2 cores.
+    config.rl.time_budget_minutes = 14.0
     config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.

@@ -28,4 +28,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.param_dtype = "bfloat16"  # Parameter dtype after loading.
     config.checkpoint.compute_dtype = "bfloat16"  # Activation dtype (logits stay float32).
     config.smoke.seq_len = 64  # Tokens per row in the forward-pass check.
+    config.rl.iterations = 100  # Sample -> learn iterations.
+    config.rl.time_budget_minutes = 0.0  # No wall-clock budget (the tiny default's 14 minutes is for 2 CPU cores).
     return config.lock()

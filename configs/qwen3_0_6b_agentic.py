@@ -62,6 +62,8 @@ def get_config():
     config.sft.batch_size = 32  # Expert episodes per update.
     config.sft.learning_rate = 1e-5  # Fine-tuning a pretrained model.
     config.rl.learning_rate = 1e-6  # RL on a pretrained model.
+    config.rl.iterations = 100  # Sample -> learn iterations.
+    config.rl.time_budget_minutes = 0.0  # No wall-clock budget (the tiny default's 14 minutes is for 2 CPU cores).
     config.learner.row_length = 1024  # Tokens per packed learner row.
     config.learner.microbatches = 4  # Gradient accumulation.
     # 128 positions x 151,936 vocabulary x 4 bytes = 78 MB of logits per row at a time, not 622 MB.
