@@ -49,8 +49,10 @@ def main() -> None:
     if not os.path.exists(os.path.join(sft_dir, "checkpoints")):
         seconds = launch(sft_dir, [f"--config.sft.steps={args.sft_steps}", "--config.rl.iterations=0"])
         print(f"SFT cold start: {seconds:.0f} s", flush=True)
+    # Every schedule runs until the same number of trained tokens: no wall-clock budget.
     common = [f"--config.sft.steps={args.sft_steps}", "--config.resume=True", "--config.rl.iterations=100000",
               f"--config.rl.stop_after_trained_tokens={args.trained_tokens}", "--config.eval.every=100000",
+              "--config.rl.time_budget_minutes=0",
               f"--config.env.tool_latency_s={args.tool_latency_s}",
               f"--config.env.tool_latency_alpha={args.tool_latency_alpha}"]
     rows = []
