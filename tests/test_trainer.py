@@ -197,30 +197,32 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
         models.init_params(tiny, jax.random.PRNGKey(0)))
 
 
-def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_path):
+def _early_stop_config(tmp_path, checkpoint_every: int):
+    """50 RL iterations planned, evaluations only at the end: a stopping rule must end RL early
+    with its own checkpoint and evaluation."""
     config = tiny_config(tmp_path)
     config.rl.iterations = 50
-    config.rl.stop_after_trained_tokens = 1  # reached at the first iteration
-    config.checkpoint.every = 1  # the iteration's own checkpoint must not be written twice
+    config.checkpoint.every = checkpoint_every
     config.eval.every = 100
     config.eval.pass_k = 0
     config.sft.steps = 1
     config.metrics.tensorboard = False
+    return config
+
+
+def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_path):
+    # checkpoint.every=1: the iteration's own checkpoint must not be written twice.
+    config = _early_stop_config(tmp_path, checkpoint_every=1)
+    config.rl.stop_after_trained_tokens = 1  # reached at the first iteration
     records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
     assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
 
 
 def test_time_budget_ends_rl_at_an_iteration_boundary_with_a_checkpoint_and_an_evaluation(tmp_path):
-    config = tiny_config(tmp_path)
-    config.rl.iterations = 50
+    config = _early_stop_config(tmp_path, checkpoint_every=100)
     # Already spent by the time RL starts (the initial and post-SFT evaluations take longer).
     config.rl.time_budget_minutes = 1e-4
-    config.checkpoint.every = 100
-    config.eval.every = 100
-    config.eval.pass_k = 0
-    config.sft.steps = 1
-    config.metrics.tensorboard = False
     records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
     assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
