@@ -603,7 +603,9 @@ class Trainer:
         iteration_seconds = time.perf_counter() - started
         sampler_after = dict(getattr(self.sampler, "stats", {}))
         sampler_delta = {k: sampler_after.get(k, 0) - sampler_before.get(k, 0)
-                         for k in ("idle_seconds", "prefill_tokens", "reused_tokens")}
+                         for k in ("idle_seconds", "prefill_tokens", "reused_tokens", "generate_calls",
+                                   "decode_seconds", "admit_seconds", "live_slots", "decoded_slots")}
+        calls = max(sampler_delta["generate_calls"], 1)
         record = {
             **signal,
             "success": float(np.mean([_success(t) for t in all_trajectories])) if all_trajectories else 0.0,
@@ -633,6 +635,13 @@ class Trainer:
             # Prompt tokens run through the model, and those taken from the prefix cache instead.
             "sampler_prefill_tokens": sampler_delta["prefill_tokens"],
             "sampler_reused_tokens": sampler_delta["reused_tokens"],
+            # Where the in-process sampler's time went (absent from remote samplers' stats: zeros),
+            # and how full its decode calls were: live requests and slots run, per generate call.
+            "sampler_decode_seconds": sampler_delta["decode_seconds"],
+            "sampler_admit_seconds": sampler_delta["admit_seconds"],
+            "sampler_generate_calls": sampler_delta["generate_calls"],
+            "sampler_live_per_call": sampler_delta["live_slots"] / calls,
+            "sampler_rows_per_call": sampler_delta["decoded_slots"] / calls,
             "effective_samples_per_second": len(batch_trajectories) / iteration_seconds,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
             "finish_reasons": dict(collections.Counter(t.finish_reason for t in all_trajectories)),

@@ -65,6 +65,8 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
         assert record["guard/solution_collapse"] == 1.0 and "guard/entropy_collapse" not in record
         # Multi-turn episodes: later turns continue cached prefixes instead of prefilling the history.
         assert record["sampler_prefill_tokens"] > 0 and record["sampler_reused_tokens"] > 0
+        assert 0 < record["sampler_live_per_call"] <= record["sampler_rows_per_call"]
+        assert record["sampler_decode_seconds"] > 0 and record["sampler_generate_calls"] > 0
     # Demonstrations only from sft.difficulties; RL tasks from env.train_difficulties.
     sft_eval = next(r for r in records if r["stage"] == "sft_eval")
     assert sft_eval["step"] == 3

@@ -142,9 +142,13 @@ class LocalSampler:
         self.prefix_index = PrefixIndex(engine.prefix_cache_entries)
         # idle_seconds: time the decode loop had no request at all (the sampler's idle time);
         # prefill_tokens: prompt tokens run through the model; reused_tokens: not run for this
-        # request (taken from the prefix cache, or an identical prompt prefilled in the same batch).
+        # request (taken from the prefix cache, or an identical prompt prefilled in the same batch);
+        # decode_seconds / admit_seconds: wall time in `generate` calls / in prefilling admitted
+        # requests; live_slots / decoded_slots: summed over generate calls, the requests decoding
+        # and the slots the call ran (compact calls run fewer than max_concurrent_decodes).
         self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0,
-                      "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0}
+                      "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "decode_seconds": 0.0,
+                      "admit_seconds": 0.0, "live_slots": 0, "decoded_slots": 0}
         self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
         self._thread.start()
 
@@ -203,12 +207,19 @@ class LocalSampler:
                 while free and self._pending:
                     admitted.append((heapq.heappop(free), self._pending.popleft()))
             if admitted:
+                admit_started = time.perf_counter()
                 state = self._admit(state, admitted, slots, free)
+                self.stats["admit_seconds"] += time.perf_counter() - admit_started
             if not slots:
                 continue
             try:
-                state, result = engine.generate(None, state, live_slots=max(slots) + 1)
+                decode_started = time.perf_counter()
+                live = max(slots) + 1
+                state, result = engine.generate(None, state, live_slots=live)
                 data = np.asarray(result.data)
+                self.stats["decode_seconds"] += time.perf_counter() - decode_started
+                self.stats["live_slots"] += len(slots)
+                self.stats["decoded_slots"] += engine.decode_rows(live)
             except Exception as err:  # noqa: BLE001 - fail the in-flight requests, keep serving
                 for slot, request in slots.items():
                     request.future.set_exception(err)

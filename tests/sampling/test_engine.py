@@ -273,6 +273,12 @@ def test_requests_of_different_lengths_through_many_slots_decode_exactly():
         futures = [sampler.submit(TOKENIZER.encode(p), SamplingParams(temperature=0.0, max_tokens=n))
                    for p, n in requests]
         completions = [f.result() for f in futures]
+        stats = dict(sampler.stats)
+    # The sampler's occupancy stats: a request is live in every call until the one that ends it.
+    steps = engine.steps_per_call
+    assert stats["generate_calls"] == len(calls) and stats["decoded_slots"] == sum(calls)
+    assert stats["live_slots"] == sum(-(-len(c.token_ids) // steps) for c in completions)
+    assert stats["decode_seconds"] > 0 and stats["admit_seconds"] > 0
     for (prompt, n), completion in zip(requests, completions):
         expected, expected_lps = _greedy_reference(TOKENIZER.encode(prompt), n)
         assert list(completion.token_ids) == expected, prompt
