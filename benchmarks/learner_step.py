@@ -5,7 +5,9 @@
 Shape: Qwen3-style, 2 layers, d=256, 4 heads / 2 KV heads, head_dim 64, MLP 768, vocab 8192, tied
 embeddings, float32; 8 sequences of 128 tokens (16 prompt + 112 sampled). Ours: `learner.make_train_step`
 with the trainer's default objective (token-level mirror descent + token clipping + TIS) and AdamW
-after global-norm clipping, jitted with explicit shardings on one device; tunix:
+after global-norm clipping, jitted with explicit shardings on one device, logits only at the 112
+trained positions (the batch's `target_index`, as the trainer packs it; `--target_multiple 0` = at
+every position); tunix:
 `benchmarks/tunix_learner_baseline.py`. Prints median step times, trained tokens/s and the ratio.
 """
 
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int = 0) -> float:
+def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int = 0,
+         target_multiple: int = 16) -> float:
     from jaxrl_agent import learner, losses, models, sharding
 
     config = models.ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768,
@@ -45,6 +48,11 @@ def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int
         sampler_logprobs=jnp.asarray(-rng.rand(batch, t) * 9 * mask, jnp.float32),
         old_logprobs=jnp.asarray(-rng.rand(batch, t) * 9 * mask, jnp.float32),
         policy_version=jnp.asarray(np.where(mask == 1, 0, -1), jnp.int32))
+    if target_multiple:  # as replay.pack builds it for the trainer (learner.target_multiple)
+        k = min(-(-completion // target_multiple) * target_multiple, t)
+        index = np.zeros((batch, k), np.int32)
+        index[:, :completion] = np.arange(prompt, t)
+        batch_arrays = batch_arrays.replace(target_index=jnp.asarray(index))
     state, metrics = step_fn(state, batch_arrays)
     jax.block_until_ready(metrics)
     times = []
@@ -64,8 +72,10 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=112)
     parser.add_argument("--tunix_python", default=None)
     parser.add_argument("--logits_chunk", type=int, default=0, help="learner.logits_chunk (0 = whole rows)")
+    parser.add_argument("--target_multiple", type=int, default=16,
+                        help="learner.target_multiple (0 = logits at every position, as before)")
     args = parser.parse_args()
-    ours_s = ours(args.steps, args.batch, args.prompt, args.completion, args.logits_chunk)
+    ours_s = ours(args.steps, args.batch, args.prompt, args.completion, args.logits_chunk, args.target_multiple)
     tokens = args.batch * args.completion
     rows = [("jaxrl_agent train_step", ours_s)]
     if args.tunix_python:

@@ -166,6 +166,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Sequence positions whose [rows, chunk, vocab] logits exist at once in the learner (0 = the whole
     # row): the logits are recomputed chunk by chunk in the backward pass instead of stored.
     config.learner.logits_chunk = 0
+    # Logits only at trained positions (RL rows here are ~1/4 trained tokens, the rest prompt, tool
+    # output and padding): per row, K = the most trained tokens in a row of the batch, rounded up to
+    # a multiple of this (few compiled shapes); 0 = logits at every position.
+    config.learner.target_multiple = 16
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
 
     config.eval = ml_collections.ConfigDict()

@@ -182,6 +182,9 @@ class Trainer:
                              f"{config.learner.row_length}: episodes that long could never be trained on")
         if config.learner.logits_chunk < 0:
             raise ValueError(f"learner.logits_chunk={config.learner.logits_chunk}: expected >= 0 (0 = whole rows)")
+        if config.learner.target_multiple < 0:
+            raise ValueError(f"learner.target_multiple={config.learner.target_multiple}: expected >= 0 "
+                             "(0 = logits at every position)")
         if config.rl.time_budget_minutes < 0:
             raise ValueError(f"rl.time_budget_minutes={config.rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
         self.servers = None
@@ -362,8 +365,8 @@ class Trainer:
             # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
             fitting = [t for t in trajectories if t.length <= self.config.learner.row_length]
             self.sft_skipped += len(trajectories) - len(fitting)
-            batch, _ = replay.pack(fitting, self.config.learner.row_length,
-                                   row_multiple=self.row_multiple)
+            batch, _ = replay.pack(fitting, self.config.learner.row_length, row_multiple=self.row_multiple,
+                                   target_multiple=self.config.learner.target_multiple)
             state, metrics = step_fn(state, _to_device(batch, self.mesh))
             if step % c.log_every == 0 or step == c.steps:
                 metrics = jax.device_get(metrics)
@@ -586,7 +589,8 @@ class Trainer:
                 if len(part) == 0:
                     continue
                 batch, _ = replay.pack([batch_trajectories[i] for i in part], self.config.learner.row_length,
-                                       row_multiple=math.lcm(self.row_multiple, c.row_multiple))
+                                       row_multiple=math.lcm(self.row_multiple, c.row_multiple),
+                                       target_multiple=self.config.learner.target_multiple)
                 state, metrics = step_fn(state, _to_device(batch, self.mesh))
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             self._push_weights(state.params)

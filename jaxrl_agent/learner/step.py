@@ -37,6 +37,11 @@ class PackedBatch(flax.struct.PyTreeNode):
     sampler_logprobs: jax.Array
     old_logprobs: jax.Array  # trust-region anchor; the sampler's by default
     policy_version: jax.Array
+    # Optional [B, K] int32: per row, the positions t whose log-prob the loss reads (loss_mask 1),
+    # in increasing order, padded with 0 (position 0 is never a target: nothing predicts it). When
+    # given, the output projection and softmax run at those K positions only, not at all T — in RL
+    # rows most tokens are prompt, tool output and padding. None = every position.
+    target_index: jax.Array | None = None
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -71,12 +76,32 @@ def sequence_logprobs(config: models.ModelConfig, params, batch: PackedBatch, *,
     `models.chunked_logprobs_and_entropy` `logits_chunk` positions at a time (0 = all at once).
     """
     hidden = models.hidden_states(config, params, batch.tokens, batch.positions, batch.segment_ids)
+    kernel = models.output_kernel(config, params)
+    if batch.target_index is not None:
+        return _logprobs_at(hidden, kernel, batch.tokens, batch.target_index, temperature, logits_chunk, with_entropy)
     # Position t predicts tokens[t + 1]; the last position's target is padding, dropped below.
     next_tokens = jnp.pad(batch.tokens[:, 1:], ((0, 0), (0, 1)))
-    logp, entropy = models.chunked_logprobs_and_entropy(hidden, models.output_kernel(config, params), next_tokens,
+    logp, entropy = models.chunked_logprobs_and_entropy(hidden, kernel, next_tokens,
                                                         temperature=temperature, chunk=logits_chunk)
     shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
     return shift(logp), (shift(entropy) if with_entropy else None)
+
+
+def _logprobs_at(hidden, kernel, tokens, target_index, temperature, logits_chunk, with_entropy):
+    """`sequence_logprobs` at the positions `target_index` [B, K] only; 0 elsewhere. [B, T].
+
+    Target t is predicted by hidden[t - 1]: gather those K states per row, project and normalise
+    them, and scatter the K results back (index 0 is padding: its results are zeroed, and adding
+    zeros at position 0 leaves it 0 whatever the duplicates).
+    """
+    valid = target_index > 0
+    take = lambda x, idx: jnp.take_along_axis(x, idx, axis=1)
+    h = take(hidden, jnp.maximum(target_index - 1, 0)[..., None])  # [B, K, H]
+    logp, entropy = models.chunked_logprobs_and_entropy(h, kernel, take(tokens, target_index),
+                                                        temperature=temperature, chunk=logits_chunk)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    scatter = lambda x: jnp.zeros(tokens.shape, x.dtype).at[rows, target_index].add(jnp.where(valid, x, 0))
+    return scatter(logp), (scatter(entropy) if with_entropy else None)
 
 
 def _split(batch: PackedBatch, microbatches: int) -> PackedBatch:

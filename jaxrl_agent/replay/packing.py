@@ -17,8 +17,13 @@ from jaxrl_agent.replay.trajectory import Trajectory
 
 
 def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: int = 1,
-         min_rows: int = 1) -> tuple[PackedBatch, list[list[int]]]:
-    """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories)."""
+         min_rows: int = 1, target_multiple: int = 0) -> tuple[PackedBatch, list[list[int]]]:
+    """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories).
+
+    target_multiple > 0 also fills `target_index` ([B, K]: each row's trained positions, padded
+    with 0), K being the most trained tokens in a row rounded up to a multiple of target_multiple
+    (at most row_length), so that the learner sees few distinct shapes; 0 = no index.
+    """
     order = sorted(range(len(trajectories)), key=lambda i: -trajectories[i].length)
     rows: list[list[int]] = []
     room: list[int] = []
@@ -54,8 +59,16 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
             out["sampler_logprobs"][r, sl] = t.sampler_logprobs * t.loss_mask
             out["policy_version"][r, sl] = np.where(t.loss_mask == 1, t.policy_version, -1)
             start += t.length
+    target_index = None
+    if target_multiple > 0:
+        counts = out["loss_mask"].sum(axis=1)
+        k = min(max(1, -(-int(counts.max()) // target_multiple) * target_multiple), row_length)
+        target_index = np.zeros((count, k), np.int32)
+        for r in range(count):
+            where = np.flatnonzero(out["loss_mask"][r])
+            target_index[r, :where.size] = where
     batch = PackedBatch(tokens=out["tokens"], segment_ids=out["segment_ids"], positions=out["positions"],
                         loss_mask=out["loss_mask"], advantages=out["advantages"],
                         sampler_logprobs=out["sampler_logprobs"], old_logprobs=out["sampler_logprobs"].copy(),
-                        policy_version=out["policy_version"])
+                        policy_version=out["policy_version"], target_index=target_index)
     return batch, rows

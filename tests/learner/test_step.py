@@ -19,14 +19,18 @@ PARAMS = models.init_params(CONFIG, jax.random.PRNGKey(0))
 ENV = envs.make("calculator")
 
 
-def _expert_batch(n=8, row_length=256):
+def _trajectories(n):
     expert = envs.expert_policy("calculator")
     trajectories = [rollout.expert_trajectory(ENV, ENV.sample_task(s, 1), expert, TOKENIZER, tok.CHATML)
                     for s in range(n)]
     for i, t in enumerate(trajectories):
         t.advantage = 1.0 if i % 2 else -1.0
         t.sampler_logprobs = np.where(t.loss_mask == 1, -1.0, 0.0).astype(np.float32)
-    return replay.pack(trajectories, row_length, row_multiple=2)[0]
+    return trajectories
+
+
+def _expert_batch(n=8, row_length=256):
+    return replay.pack(_trajectories(n), row_length, row_multiple=2)[0]
 
 
 def test_sampler_logprobs_equal_learner_recomputation_on_packed_episodes():
@@ -108,11 +112,43 @@ def test_chunked_logits_give_the_same_update_as_whole_rows():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_logits_at_trained_positions_only_give_the_same_update():
+    """`target_index` (the packer's per-row trained positions) changes the cost, not the step: the
+    same log-probs at trained positions, zeros elsewhere, and the same RL and SFT updates, with
+    microbatches and chunks too."""
+    plain = _expert_batch(n=6, row_length=128)
+    indexed = replay.pack(_trajectories(6), 128, row_multiple=2, target_multiple=16)[0]
+    mask = plain.loss_mask == 1
+    k = indexed.target_index.shape[1]
+    assert k % 16 == 0 and k - 16 < mask.sum(axis=1).max() <= k < 128
+    for row, index in zip(mask, indexed.target_index):  # each row's trained positions, then 0s
+        np.testing.assert_array_equal(index[:row.sum()], np.flatnonzero(row))
+        assert not index[row.sum():].any()
+    plain, indexed = jax.tree.map(jnp.asarray, plain), jax.tree.map(jnp.asarray, indexed)
+    for field in ("tokens", "loss_mask", "advantages", "sampler_logprobs"):
+        np.testing.assert_array_equal(getattr(indexed, field), getattr(plain, field))
+    whole, whole_ent = learner.sequence_logprobs(CONFIG, PARAMS, plain, with_entropy=True)
+    at, at_ent = learner.sequence_logprobs(CONFIG, PARAMS, indexed, with_entropy=True)
+    np.testing.assert_allclose(np.asarray(at)[mask], np.asarray(whole)[mask], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(at_ent)[mask], np.asarray(whole_ent)[mask], atol=1e-5)
+    assert not np.asarray(at)[~mask].any() and not np.asarray(at_ent)[~mask].any()
+    optimizer = learner.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)
+    for kwargs in (dict(), dict(sft=True), dict(microbatches=2, logits_chunk=48)):
+        step = jax.jit(learner.make_train_step(CONFIG, optimizer, **kwargs))
+        want_state, want = step(learner.init_state(PARAMS, optimizer), plain)
+        got_state, got = step(learner.init_state(PARAMS, optimizer), indexed)
+        for key in ("loss", "entropy", "grad_norm"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=f"{key} {kwargs}")
+        for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_sharded_train_step_on_eight_devices_matches_one_device():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:8])
     optimizer = learner.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)
     train_step = learner.make_train_step(CONFIG, optimizer)
-    batch = _expert_batch(n=8, row_length=128)
+    # As the trainer packs it: logits at trained positions only (`target_index`, sharded by rows too).
+    batch = replay.pack(_trajectories(8), 128, row_multiple=2, target_multiple=16)[0]
     rows = batch.tokens.shape[0]
     batch = jax.tree.map(lambda x: np.concatenate([x] * (8 // rows + 1))[:8] if rows < 8 else x[: rows - rows % 4], batch)
     single_state, single_metrics = jax.jit(train_step)(learner.init_state(PARAMS, optimizer), jax.tree.map(jnp.asarray, batch))
