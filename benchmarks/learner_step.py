@@ -6,8 +6,8 @@ Shape: Qwen3-style, 2 layers, d=256, 4 heads / 2 KV heads, head_dim 64, MLP 768,
 embeddings, float32; 8 sequences of 128 tokens (16 prompt + 112 sampled). Ours: `learner.make_train_step`
 with the trainer's default objective (token-level mirror descent + token clipping + TIS) and AdamW
 after global-norm clipping, jitted with explicit shardings on one device, logits only at the 112
-trained positions (the batch's `target_index`, as the trainer packs it; `--target_multiple 0` = at
-every position); tunix:
+trained positions (the batch's `target_index`, as the trainer packs it with `learner.target_multiple`
+> 0, the Hugging Face configs' setting; `--target_multiple 0` = at every position); tunix:
 `benchmarks/tunix_learner_baseline.py`. Prints median step times, trained tokens/s and the ratio.
 """
 

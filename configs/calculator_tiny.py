@@ -168,10 +168,11 @@ def get_config() -> ml_collections.ConfigDict:
     # Sequence positions whose [rows, chunk, vocab] logits exist at once in the learner (0 = the whole
     # row): the logits are recomputed chunk by chunk in the backward pass instead of stored.
     config.learner.logits_chunk = 0
-    # Logits only at trained positions (RL rows here are ~1/4 trained tokens, the rest prompt, tool
-    # output and padding): per row, K = the most trained tokens in a row of the batch, rounded up to
-    # a multiple of this (few compiled shapes: each costs ~5 s to compile here); 0 = logits at every position.
-    config.learner.target_multiple = 32
+    # Logits only at trained positions: per row, K = the most trained tokens in a row of the batch,
+    # rounded up to a multiple of this; 0 = logits at every position. Off here: the character
+    # vocabulary makes the projection cheap, and each new (rows, K) shape compiles once (~5 s on 2
+    # cores). Real vocabularies (the HF configs) turn it on.
+    config.learner.target_multiple = 0
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
 
     config.eval = ml_collections.ConfigDict()

@@ -28,6 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.param_dtype = "bfloat16"  # Parameter dtype after loading.
     config.checkpoint.compute_dtype = "bfloat16"  # Activation dtype (logits stay float32).
     config.smoke.seq_len = 64  # Tokens per row in the forward-pass check.
+    # Output projection and softmax only at trained positions (RL rows are mostly prompt, tool output
+    # and padding; at a 151,936-token vocabulary the projection dominates the step).
+    config.learner.target_multiple = 64
     config.rl.iterations = 100  # Sample -> learn iterations.
     config.rl.time_budget_minutes = 0.0  # No wall-clock budget (the tiny default's 14 minutes is for 2 CPU cores).
     return config.lock()

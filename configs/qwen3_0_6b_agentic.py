@@ -68,5 +68,8 @@ def get_config():
     config.learner.microbatches = 4  # Gradient accumulation.
     # 128 positions x 151,936 vocabulary x 4 bytes = 78 MB of logits per row at a time, not 622 MB.
     config.learner.logits_chunk = 128
+    # Output projection and softmax only at trained positions (RL rows are mostly prompt, tool output
+    # and padding; at a 151,936-token vocabulary the projection dominates the step).
+    config.learner.target_multiple = 64
     config.smoke.seq_len = 64  # Tokens per row in the forward-pass check.
     return config.lock()

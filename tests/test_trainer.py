@@ -24,6 +24,7 @@ def tiny_config(workdir):
         "rollout.drop_zero_advantage_groups": False, "sft.steps": 3, "sft.batch_size": 4, "sft.log_every": 1,
         "rl.iterations": 2, "eval.every": 1, "eval.tasks_per_difficulty": 2, "learner.row_length": 256,
         "env.eval_difficulties": "1,4", "workdir": str(workdir),
+        "learner.target_multiple": 16,  # the real-model configs' path: logits at trained positions only
     }
     for key, value in overrides.items():
         *sections, field = key.split(".")
