@@ -159,6 +159,8 @@ def test_asynchronous_schedules_with_partial_rollouts(tmp_path, schedule, extra)
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
     assert sum(r["trained_trajectories"] for r in rl) > 0
     assert max(r["suspended_episodes"] for r in rl) > 0  # budgets cut episodes
+    # The groups just taken are refilled before the update: P + ahead (3 + 3) stay open through it.
+    assert all(r["groups_pending"] == 6 for r in rl), [r["groups_pending"] for r in rl]
     if schedule == "async":
         assert all(r["policy_lag_max"] == 0 for r in rl)  # S = 0, stale tokens masked
     else:
