@@ -25,7 +25,7 @@ import numpy as np
 
 def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int = 0,
          target_multiple: int = 16) -> float:
-    from jaxrl_agent import learner, losses, models, sharding
+    from jaxrl_agent import learner, losses, models, replay, sharding
 
     config = models.ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768,
                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True,
@@ -49,10 +49,7 @@ def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int
         old_logprobs=jnp.asarray(-rng.rand(batch, t) * 9 * mask, jnp.float32),
         policy_version=jnp.asarray(np.where(mask == 1, 0, -1), jnp.int32))
     if target_multiple:  # as replay.pack builds it for the trainer (learner.target_multiple)
-        k = min(-(-completion // target_multiple) * target_multiple, t)
-        index = np.zeros((batch, k), np.int32)
-        index[:, :completion] = np.arange(prompt, t)
-        batch_arrays = batch_arrays.replace(target_index=jnp.asarray(index))
+        batch_arrays = batch_arrays.replace(target_index=jnp.asarray(replay.target_index(mask, target_multiple)))
     state, metrics = step_fn(state, batch_arrays)
     jax.block_until_ready(metrics)
     times = []

@@ -154,7 +154,7 @@ def get_config() -> ml_collections.ConfigDict:
     # after which one more iteration and the final checkpoint and evaluation would not fit. 14 keeps
     # the default command, start-up included, within 15 minutes on 2 cores.
     config.rl.time_budget_minutes = 14.0
-    config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes: each costs ~5 s to compile here).
+    config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.
     config.rl.tau = 0.05  # Mirror-descent regulariser strength (Kimi k1.5), token level.

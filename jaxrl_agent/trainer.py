@@ -485,7 +485,6 @@ class Trainer:
             self._submit(wanted - len(runner.unfinished()) - len(runner.finished()))
             runner.wait(runner.quiescent)
             return runner.finished()
-        top_up = lambda: self._top_up(schedule)
 
         def selectable():
             finished, unfinished = runner.finished_unlocked(), runner.unfinished_unlocked()
@@ -494,10 +493,10 @@ class Trainer:
             return finished
 
         # Train as soon as a batch's worth of groups is trainable (or nothing more can finish).
-        top_up()
+        self._top_up(schedule)
         while not runner.wait(lambda: len(selectable()) >= r.prompts_per_iteration or runner.quiescent(),
                               timeout=0.2):
-            top_up()
+            self._top_up(schedule)
         with runner.lock:
             return selectable()[: r.prompts_per_iteration]
 

@@ -1,7 +1,7 @@
 """Token-level trajectories, their validation, the replay buffer, and packing into learner batches."""
 
 from jaxrl_agent.replay.buffer import ReplayBuffer
-from jaxrl_agent.replay.packing import pack
+from jaxrl_agent.replay.packing import pack, target_index
 from jaxrl_agent.replay.trajectory import SCHEMA_VERSION, Trajectory, validate
 
-__all__ = ["ReplayBuffer", "SCHEMA_VERSION", "Trajectory", "pack", "validate"]
+__all__ = ["ReplayBuffer", "SCHEMA_VERSION", "Trajectory", "pack", "target_index", "validate"]

@@ -59,16 +59,19 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
             out["sampler_logprobs"][r, sl] = t.sampler_logprobs * t.loss_mask
             out["policy_version"][r, sl] = np.where(t.loss_mask == 1, t.policy_version, -1)
             start += t.length
-    target_index = None
-    if target_multiple > 0:
-        counts = out["loss_mask"].sum(axis=1)
-        k = min(max(1, -(-int(counts.max()) // target_multiple) * target_multiple), row_length)
-        target_index = np.zeros((count, k), np.int32)
-        for r in range(count):
-            where = np.flatnonzero(out["loss_mask"][r])
-            target_index[r, :where.size] = where
     batch = PackedBatch(tokens=out["tokens"], segment_ids=out["segment_ids"], positions=out["positions"],
                         loss_mask=out["loss_mask"], advantages=out["advantages"],
                         sampler_logprobs=out["sampler_logprobs"], old_logprobs=out["sampler_logprobs"].copy(),
-                        policy_version=out["policy_version"], target_index=target_index)
+                        policy_version=out["policy_version"],
+                        target_index=target_index(out["loss_mask"], target_multiple) if target_multiple > 0 else None)
     return batch, rows
+
+
+def target_index(loss_mask: np.ndarray, multiple: int) -> np.ndarray:
+    """`PackedBatch.target_index` for a [B, T] loss mask: [B, K] int32, each row's trained positions
+    in increasing order, padded with 0; K = the most trained tokens in a row rounded up to a
+    multiple of `multiple` (at least 1, at most T)."""
+    mask = np.asarray(loss_mask) == 1
+    k = min(max(1, -(-int(mask.sum(axis=1).max()) // multiple) * multiple), mask.shape[1])
+    order = np.argsort(~mask, axis=1, kind="stable")[:, :k]  # trained positions first, in order
+    return np.where(np.take_along_axis(mask, order, axis=1), order, 0).astype(np.int32)
