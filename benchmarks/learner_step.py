@@ -1,6 +1,6 @@
 """The learner's train step against tunix's GRPO update, same shape, same session.
 
-  python benchmarks/learner_step.py [--steps 10] [--tunix_python /path/to/tunix_venv/bin/python]
+  python benchmarks/learner_step.py [--steps 10] [--rounds 1] [--tunix_python /path/to/tunix_venv/bin/python]
 
 Shape: Qwen3-style, 2 layers, d=256, 4 heads / 2 KV heads, head_dim 64, MLP 768, vocab 8192, tied
 embeddings, float32; 8 sequences of 128 tokens (16 prompt + 112 sampled). Ours: `learner.make_train_step`
@@ -8,7 +8,10 @@ with the trainer's default objective (token-level mirror descent + token clippin
 after global-norm clipping, jitted with explicit shardings on one device, logits only at the 112
 trained positions (the batch's `target_index`, as the trainer packs it with `learner.target_multiple`
 > 0, the Hugging Face configs' setting; `--target_multiple 0` = at every position); tunix:
-`benchmarks/tunix_learner_baseline.py`. Prints median step times, trained tokens/s and the ratio.
+`benchmarks/tunix_learner_baseline.py`, kept running in a subprocess. Both are compiled first; then
+`--rounds` rounds alternate `--steps` timed steps of ours with `--steps` of tunix's, so that a slow
+spell of this (shared, noisy) machine falls on both. Prints median step times over all rounds,
+trained tokens/s, the ratio of the medians and the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int = 0,
-         target_multiple: int = 16) -> float:
+def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target_multiple: int = 16):
+    """Compiles our train step on the benchmark shape; returns `timed(steps) -> [seconds per step]`."""
     from jaxrl_agent import learner, losses, models, replay, sharding
 
     config = models.ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768,
@@ -50,20 +53,51 @@ def ours(steps: int, batch: int, prompt: int, completion: int, logits_chunk: int
         policy_version=jnp.asarray(np.where(mask == 1, 0, -1), jnp.int32))
     if target_multiple:  # as replay.pack builds it for the trainer (learner.target_multiple)
         batch_arrays = batch_arrays.replace(target_index=jnp.asarray(replay.target_index(mask, target_multiple)))
-    state, metrics = step_fn(state, batch_arrays)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = step_fn(state, batch_arrays)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    holder = [step_fn(state, batch_arrays)[0]]
+    jax.block_until_ready(holder[0])
+
+    def timed(steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            holder[0], metrics = step_fn(holder[0], batch_arrays)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        return times
+
+    return timed
+
+
+class Tunix:
+    """`tunix_learner_baseline.py --serve` in a subprocess: `timed(steps) -> [seconds per step]`."""
+
+    def __init__(self, python: str, batch: int, prompt: int, completion: int):
+        script = __file__.replace("learner_step.py", "tunix_learner_baseline.py")
+        self.proc = subprocess.Popen([python, script, "--serve", "--batch", str(batch), "--prompt", str(prompt),
+                                      "--completion", str(completion)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self._read("ready")
+
+    def _read(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.strip()
+        raise RuntimeError(f"tunix baseline exited (code {self.proc.wait()}) before printing {prefix!r}")
+
+    def timed(self, steps: int) -> list[float]:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return [float(x) for x in self._read("tunix_times=").split("=", 1)[1].split(",")]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round, per learner")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (ours, then tunix)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--completion", type=int, default=112)
@@ -72,22 +106,34 @@ def main() -> None:
     parser.add_argument("--target_multiple", type=int, default=16,
                         help="learner.target_multiple (0 = logits at every position, as before)")
     args = parser.parse_args()
-    ours_s = ours(args.steps, args.batch, args.prompt, args.completion, args.logits_chunk, args.target_multiple)
+    learners = [("jaxrl_agent train_step", ours(args.batch, args.prompt, args.completion, args.logits_chunk,
+                                                args.target_multiple))]
+    tunix = Tunix(args.tunix_python, args.batch, args.prompt, args.completion) if args.tunix_python else None
+    if tunix:
+        learners.append(("tunix GRPO update", tunix.timed))
+    times = {name: [] for name, _ in learners}
+    round_ratios = []
+    for _ in range(args.rounds):
+        medians = []
+        for name, timed in learners:
+            round_times = timed(args.steps)
+            times[name] += round_times
+            medians.append(statistics.median(round_times))
+        if tunix:
+            round_ratios.append(medians[0] / medians[1])
+    if tunix:
+        tunix.close()
     tokens = args.batch * args.completion
-    rows = [("jaxrl_agent train_step", ours_s)]
-    if args.tunix_python:
-        out = subprocess.run([args.tunix_python, __file__.replace("learner_step.py", "tunix_learner_baseline.py"),
-                              "--steps", str(args.steps), "--batch", str(args.batch), "--prompt", str(args.prompt),
-                              "--completion", str(args.completion)], capture_output=True, text=True, check=True)
-        line = next(l for l in out.stdout.splitlines() if l.startswith("tunix_step_s="))
-        rows.append(("tunix GRPO update", float(line.split("=")[1])))
-    print(f"\nshape: {args.batch} x {args.prompt + args.completion} tokens ({tokens} trained), median of {args.steps}\n")
+    print(f"\nshape: {args.batch} x {args.prompt + args.completion} tokens ({tokens} trained); "
+          f"{args.rounds} round(s) of {args.steps} steps each; medians over all steps\n")
     print("| learner | step time (ms) | trained tokens/s |")
     print("|---|---|---|")
-    for name, seconds in rows:
+    medians = [statistics.median(times[name]) for name, _ in learners]
+    for (name, _), seconds in zip(learners, medians):
         print(f"| {name} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} |")
-    if len(rows) == 2:
-        print(f"\nratio ours / tunix step time: {rows[0][1] / rows[1][1]:.2f} (target <= 0.8)")
+    if tunix:
+        print(f"\nratio ours / tunix step time: {medians[0] / medians[1]:.2f} (target <= 0.8); per round: "
+              + ", ".join(f"{r:.2f}" for r in round_ratios) + f" (median {statistics.median(round_ratios):.2f})")
 
 
 if __name__ == "__main__":

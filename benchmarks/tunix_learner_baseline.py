@@ -8,7 +8,13 @@ token-mean aggregation) differentiated with `nnx.value_and_grad` and applied by 
 `nnx.Optimizer(optax.adamw)` under `nnx.jit` — the same computation tunix's trainer jits per step.
 Shape: tunix's Qwen3, 2 layers, d=256, 4 heads / 2 KV heads, head_dim 64, MLP 768, vocab 8192,
 float32; 8 sequences of 128 tokens (16 prompt + 112 completion). Prints `tunix_step_s=<median>`.
+
+With `--serve`, compiles, prints `ready`, then for each line `N` read from stdin runs N timed steps
+and prints `tunix_times=<t1,t2,...>` (seconds): `benchmarks/learner_step.py` alternates rounds of
+its own steps with rounds of these, so both see the same machine state.
 """
+
+import sys
 
 import argparse
 import statistics
@@ -30,6 +36,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--completion", type=int, default=112)
+    parser.add_argument("--serve", action="store_true")
     args = parser.parse_args()
     config = qwen3.ModelConfig(num_layers=2, vocab_size=8192, embed_dim=256, hidden_dim=768, num_heads=4,
                                head_dim=64, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
@@ -60,13 +67,22 @@ def main():
         optimizer.update(model, grads)
         return loss
 
+    def timed(steps):
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            jax.block_until_ready(train_step(model, optimizer, example))
+            times.append(time.perf_counter() - start)
+        return times
+
     jax.block_until_ready(train_step(model, optimizer, example))  # compile
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        jax.block_until_ready(train_step(model, optimizer, example))
-        times.append(time.perf_counter() - start)
-    print(f"tunix_step_s={statistics.median(times):.6f}", flush=True)
+    if args.serve:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            times = timed(int(line))
+            print("tunix_times=" + ",".join(f"{t:.6f}" for t in times), flush=True)
+        return
+    print(f"tunix_step_s={statistics.median(timed(args.steps)):.6f}", flush=True)
 
 
 if __name__ == "__main__":
