@@ -306,6 +306,16 @@ class Trainer:
         self.sampler.update_weights(self.params, self.version)
         return state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"])
 
+    def _sampler_stats(self) -> dict[str, float]:
+        """The sampler's counters: the in-process sampler's own, or the servers' over `Info`."""
+        if hasattr(self.sampler, "sampler_stats"):
+            try:
+                return self.sampler.sampler_stats()
+            except Exception as err:  # noqa: BLE001 - metrics must not stop the run
+                print(f"warning: sampler stats unavailable: {err}", flush=True)
+                return {}
+        return dict(getattr(self.sampler, "stats", {}))
+
     def _push_weights(self, params) -> None:
         self.version += 1
         self.params = params
@@ -550,7 +560,7 @@ class Trainer:
     def _rl_iteration(self, iteration: int, schedule, state, step_fn):
         c, r = self.config.rl, self.config.rollout
         started = time.perf_counter()
-        sampler_before = dict(getattr(self.sampler, "stats", {}))
+        sampler_before = self._sampler_stats()
         if self.allocator is not None and self.allocator.strategy == "until_mixed":
             groups = self._until_mixed_groups()
         else:
@@ -610,7 +620,7 @@ class Trainer:
         trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch_trajectories))
         self.trained_tokens_total += trained_tokens
         iteration_seconds = time.perf_counter() - started
-        sampler_after = dict(getattr(self.sampler, "stats", {}))
+        sampler_after = self._sampler_stats()
         sampler_delta = {k: sampler_after.get(k, 0) - sampler_before.get(k, 0)
                          for k in ("idle_seconds", "prefill_tokens", "reused_tokens", "generate_calls",
                                    "decode_seconds", "admit_seconds", "live_slots", "decoded_slots")}
@@ -644,8 +654,8 @@ class Trainer:
             # Prompt tokens run through the model, and those taken from the prefix cache instead.
             "sampler_prefill_tokens": sampler_delta["prefill_tokens"],
             "sampler_reused_tokens": sampler_delta["reused_tokens"],
-            # Where the in-process sampler's time went (absent from remote samplers' stats: zeros),
-            # and how full its decode calls were: live requests and slots run, per generate call.
+            # Where the sampler's time went and how full its decode calls were: live requests and
+            # slots run, per generate call (remote servers' counters summed over the servers).
             "sampler_decode_seconds": sampler_delta["decode_seconds"],
             "sampler_admit_seconds": sampler_delta["admit_seconds"],
             "sampler_generate_calls": sampler_delta["generate_calls"],

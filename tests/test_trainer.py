@@ -133,6 +133,10 @@ def test_rl_with_two_jetstream_sampler_server_processes(tmp_path):
         # Every trained token was sampled by the weights just pushed to the servers.
         assert record["policy_lag_max"] == 0
         assert record["drift/sampler_abs_diff_max"] < 0.05
+        # The servers' own counters (over Info), summed over both.
+        assert record["sampler_generate_calls"] > 0 and record["sampler_decode_seconds"] > 0
+        assert 0 < record["sampler_live_per_call"] <= record["sampler_rows_per_call"]
+        assert record["sampler_prefill_tokens"] > 0
     assert (tmp_path / "sampler_config.py").exists()
 
 

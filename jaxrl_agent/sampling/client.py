@@ -157,6 +157,18 @@ class SamplerClient:
         results, _ = await self._each(lambda s: s.info({}, timeout=self.timeout_s))
         return results
 
+    async def sampler_stats(self) -> dict[str, float]:
+        """The servers' sampler counters (`Info`'s "sampler": the keys of `LocalSampler.stats`),
+        summed over the servers that answer: seconds are server-seconds, so with several servers
+        they can exceed the wall time."""
+        total: dict[str, float] = {}
+        for result in (await self.info()):
+            if isinstance(result, Exception):
+                continue
+            for key, value in result.get("sampler", {}).items():
+                total[key] = total.get(key, 0) + value
+        return total
+
     async def close(self) -> None:
         for server in self._servers:
             await server.channel.close()
@@ -195,6 +207,9 @@ class BackgroundSamplerClient:
         failures = self._run(self.client.update_weights(params, version))
         if len(failures) == len(self.client._servers):
             raise SamplerUnavailableError(f"no sampler server took weights version {version}: {failures}")
+
+    def sampler_stats(self) -> dict[str, float]:
+        return self._run(self.client.sampler_stats(), timeout=self.client.timeout_s)
 
     def close(self) -> None:
         try:

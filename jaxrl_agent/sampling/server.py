@@ -23,6 +23,7 @@ import logging
 import queue
 import struct
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -86,7 +87,13 @@ class SamplerDriver(orchestrator.Driver):
         self._admission: queue.Queue = queue.Queue()  # validated requests, prefill -> generate
         # Generate calls not yet turned into tokens by the detokenize thread, at most pipeline_depth.
         self._calls_in_flight = threading.Semaphore(pipeline_depth)
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0}
+        # The same counters as `LocalSampler.stats`, kept by the generate thread (wall time of that
+        # thread: idle = waiting with no request at all; admit = batched prefills of admitted
+        # requests; decode = dispatching `generate` calls and waiting for a pipeline place, i.e.
+        # for the call two back to be turned into tokens). Reported by `Info` as "sampler".
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "generate_calls": 0,
+                      "idle_seconds": 0.0, "admit_seconds": 0.0, "decode_seconds": 0.0, "live_slots": 0,
+                      "decoded_slots": 0}
         super().__init__(prefill_engines=[engine], generate_engines=[engine], prefill_params=[None],
                          generate_params=[None], interleaved_mode=True)
 
@@ -156,16 +163,22 @@ class SamplerDriver(orchestrator.Driver):
                 # Block only when there is nothing to decode, or while the prefill thread is still
                 # validating requests that arrived together (so that they are admitted together).
                 wait = (idle and not admitted) or not self._prefill_backlog.empty()
+                waited = time.perf_counter()
                 try:
                     request = self._admission.get(block=wait, timeout=0.5 if wait else None)
                 except queue.Empty:
+                    if idle and not admitted:
+                        self.stats["idle_seconds"] += time.perf_counter() - waited
                     if idle and not admitted and self.live:
                         continue  # nothing to decode: keep waiting for work
                     break
+                if idle and not admitted:
+                    self.stats["idle_seconds"] += time.perf_counter() - waited
                 if request is None:
                     return
                 admitted.append((free.pop(), request))
             if admitted:
+                admit_started = time.perf_counter()
                 params_version = engine.current_params()
                 decode_state, errors = admit_requests(
                     engine, index, decode_state, [(slot, r.prompt_ids, r.sampling_params) for slot, r in admitted],
@@ -182,15 +195,24 @@ class SamplerDriver(orchestrator.Driver):
                     detokenize.put((slot, request), block=True)
                     live.add(slot)
                     idle = False
+                self.stats["admit_seconds"] += time.perf_counter() - admit_started
             for slot in free:
                 slots.put(slot, block=False)
             if idle or not self.live:
                 continue
+            decode_started = time.perf_counter()
             while not self._calls_in_flight.acquire(timeout=0.5):  # released by the detokenize thread
                 if not self.live:
                     return
-            decode_state, result = engine.generate(None, decode_state, live_slots=max(live) + 1 if live else None)
+            live_slots = max(live) + 1 if live else None
+            decode_state, result = engine.generate(None, decode_state, live_slots=live_slots)
             result.copy_to_host_async()
+            self.stats["decode_seconds"] += time.perf_counter() - decode_started
+            self.stats["generate_calls"] += 1
+            # Slots holding a request (a finished one not yet handed back by the detokenize thread
+            # still counts: it is decoded) and the slots the call ran.
+            self.stats["live_slots"] += len(live)
+            self.stats["decoded_slots"] += engine.decode_rows(live_slots)
             detokenize.put((step, result), block=True)
             step += 1
 
@@ -313,7 +335,7 @@ class SamplerService:
     async def info(self, request: dict, context) -> dict:
         return {"version": self.engine.version, "slots": self.engine.max_concurrent_decodes,
                 "max_prefill_length": self.engine.max_prefill_length, "live": self.driver.live,
-                "prefill": dict(self.driver.stats)}
+                "sampler": dict(self.driver.stats)}
 
     def handler(self) -> grpc.GenericRpcHandler:
         as_json = dict(request_deserializer=json.loads, response_serializer=lambda r: json.dumps(r).encode())

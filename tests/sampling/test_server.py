@@ -169,10 +169,10 @@ def test_a_next_turn_reuses_the_finished_turns_keys_and_values(servers):
     async def run():
         client = SamplerClient([address])
         greedy = SamplingParams(temperature=0.0, max_tokens=6)
-        before = (await client.info())[0]["prefill"]
+        before = (await client.info())[0]["sampler"]
         first = await client.generate(prompt, greedy)
         second = await client.generate(prompt + list(first.token_ids) + observation, greedy)
-        after = (await client.info())[0]["prefill"]
+        after = (await client.info())[0]["sampler"]
         await client.close()
         return first, second, before, after
 
@@ -182,6 +182,14 @@ def test_a_next_turn_reuses_the_finished_turns_keys_and_values(servers):
     assert after["prefix_hits"] - before["prefix_hits"] == 1
     assert after["reused_tokens"] - before["reused_tokens"] == len(prompt) + len(first.token_ids)
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt) + len(observation)
+    # Occupancy counters, as LocalSampler keeps them: each request is live in every call until the
+    # one that ends it (and, pipelined, until its slot is handed back: at most a call or two more).
+    delta = {k: after[k] - before[k] for k in after}
+    steps = CONFIG.sampler.steps_per_call
+    needed = [-(-len(c.token_ids) // steps) for c in (first, second)]
+    assert sum(needed) <= delta["live_slots"] <= sum(needed) + 2 * 2
+    assert delta["generate_calls"] >= max(needed) and delta["decoded_slots"] >= delta["live_slots"]
+    assert delta["decode_seconds"] > 0 and delta["admit_seconds"] > 0 and delta["idle_seconds"] > 0
 
 
 def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
