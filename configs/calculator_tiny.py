@@ -71,6 +71,9 @@ def get_config() -> ml_collections.ConfigDict:
     # 2 * num_layers * num_kv_heads * max_cache_length * head_dim activations (128 KiB here).
     config.sampler.prefix_cache_entries = 256
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
+    # Servers only: generate calls dispatched ahead of the thread that turns results into tokens and
+    # frees finished requests' slots (1 = none ahead: a finished slot is refilled on the next call).
+    config.sampler.pipeline_depth = 2
     # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
     # this host, fed new weights over gRPC after every update (each with the slots above).
     config.sampler.num_servers = 0

@@ -41,7 +41,8 @@ def main(argv):
     def ready(port):
         print(f"sampler server listening on {_HOST.value}:{port}", flush=True)
 
-    asyncio.run(server.serve(engine, _HOST.value, _PORT.value, default_sampling=default, ready=ready))
+    asyncio.run(server.serve(engine, _HOST.value, _PORT.value, default_sampling=default, ready=ready,
+                             pipeline_depth=config.sampler.pipeline_depth))
 
 
 if __name__ == "__main__":

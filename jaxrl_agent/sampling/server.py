@@ -357,9 +357,10 @@ def encode_weights(params, version: int) -> bytes:
 
 
 async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *,
-                default_sampling: SamplingParams = SamplingParams(temperature=0.0), ready=None) -> None:
+                default_sampling: SamplingParams = SamplingParams(temperature=0.0), ready=None,
+                pipeline_depth: int = 2) -> None:
     """Runs both services until cancelled. `ready(port)` is called once listening."""
-    driver = SamplerDriver(engine, default_sampling)
+    driver = SamplerDriver(engine, default_sampling, pipeline_depth=pipeline_depth)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     jetstream_pb2_grpc.add_OrchestratorServicer_to_server(SamplerOrchestrator(driver), server)
     server.add_generic_rpc_handlers((SamplerService(driver).handler(),))
