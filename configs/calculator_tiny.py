@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.hf_path = ""
     config.checkpoint.param_dtype = "float32"  # Parameter dtype after loading a checkpoint.
     config.checkpoint.compute_dtype = "float32"  # Activation dtype for a loaded checkpoint.
-    config.checkpoint.every = 10  # Save every N RL iterations (and after SFT, and at the end).
+    config.checkpoint.every = 10  # Save every N RL iterations (and after SFT, and at the end; 0 = only those).
     config.checkpoint.keep = 2  # Checkpoints kept.
 
     config.mesh = ml_collections.ConfigDict()
@@ -179,7 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
 
     config.eval = ml_collections.ConfigDict()
-    config.eval.every = 20  # Evaluate every N RL iterations (and after SFT, and at the end).
+    config.eval.every = 20  # Evaluate every N RL iterations (and after SFT, and at the end; 0 = only those).
     config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
     config.eval.pass_k = 0  # Also k samples per task at rollout.temperature for pass@k (0 = greedy only).
 

@@ -135,6 +135,13 @@ def _plain(value):
 DEMONSTRATION_SEED_OFFSET = 2_000_000
 
 
+def _every(period: int, iteration: int) -> bool:
+    """Whether a periodic action (`eval.every`, `checkpoint.every`, `sft.log_every`, ...) falls on
+    `iteration`; a period of 0 means never periodically (the run still logs, evaluates and
+    checkpoints at its end)."""
+    return period > 0 and iteration % period == 0
+
+
 def _success(trajectory) -> float:
     return float(trajectory.reward_components.get("success", 0.0))
 
@@ -185,6 +192,10 @@ class Trainer:
         if config.learner.target_multiple < 0:
             raise ValueError(f"learner.target_multiple={config.learner.target_multiple}: expected >= 0 "
                              "(0 = logits at every position)")
+        for name in ("eval.every", "checkpoint.every", "sft.eval_every", "sft.log_every"):
+            section, field = name.split(".")
+            if config[section][field] < 0:
+                raise ValueError(f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
         if config.rl.time_budget_minutes < 0:
             raise ValueError(f"rl.time_budget_minutes={config.rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
         self.servers = None
@@ -378,13 +389,13 @@ class Trainer:
             batch, _ = replay.pack(fitting, self.config.learner.row_length, row_multiple=self.row_multiple,
                                    target_multiple=self.config.learner.target_multiple)
             state, metrics = step_fn(state, _to_device(batch, self.mesh))
-            if step % c.log_every == 0 or step == c.steps:
+            if _every(c.log_every, step) or step == c.steps:
                 metrics = jax.device_get(metrics)
                 self.writer.write("sft", step, {"loss": metrics["loss"], "entropy": metrics["entropy"],
                                                 "grad_norm": metrics["grad_norm"],
                                                 "skipped_demonstrations": self.sft_skipped,
                                                 "seconds": time.perf_counter() - start})
-            if c.eval_every and step % c.eval_every == 0 and step != c.steps:
+            if _every(c.eval_every, step) and step != c.steps:
                 self.sampler.update_weights(state.params, self.version)
                 self.writer.write("sft_eval", step, self.evaluate())
         self._push_weights(state.params)
@@ -445,9 +456,9 @@ class Trainer:
                 if reason is not None:
                     # End as a finished run does: a checkpoint and an evaluation of this iteration
                     # (unless the iteration's schedule already made them).
-                    if iteration % self.config.checkpoint.every != 0 and iteration != c.iterations:
+                    if not _every(self.config.checkpoint.every, iteration) and iteration != c.iterations:
                         self._checkpoint("rl", iteration, state)
-                    if iteration % self.config.eval.every != 0 and iteration != c.iterations:
+                    if not _every(self.config.eval.every, iteration) and iteration != c.iterations:
                         self.writer.write("rl_eval", iteration, self.evaluate())
                     self.writer.write("rl_end", iteration, {"reason": reason, "iterations": iteration,
                                                             "elapsed_seconds": self.elapsed_seconds()})
@@ -672,9 +683,9 @@ class Trainer:
         }
         record.update(self._exploration_guards(record))
         self.writer.write("rl", iteration, record)
-        if iteration % self.config.checkpoint.every == 0 or iteration == c.iterations:
+        if _every(self.config.checkpoint.every, iteration) or iteration == c.iterations:
             self._checkpoint("rl", iteration, state)
-        if iteration % self.config.eval.every == 0 or iteration == c.iterations:
+        if _every(self.config.eval.every, iteration) or iteration == c.iterations:
             self.writer.write("rl_eval", iteration, self.evaluate())
         return state
 

@@ -256,6 +256,30 @@ def test_a_negative_time_budget_is_rejected(tmp_path):
         trainer.Trainer(config, str(tmp_path), quiet=True)
 
 
+@pytest.mark.parametrize("name", ["eval.every", "checkpoint.every", "sft.log_every", "sft.eval_every"])
+def test_a_negative_period_is_rejected(tmp_path, name):
+    config = tiny_config(tmp_path)
+    section, field = name.split(".")
+    config[section][field] = -2
+    with pytest.raises(ValueError, match=rf"{name}=-2: expected >= 0"):
+        trainer.Trainer(config, str(tmp_path), quiet=True)
+
+
+def test_periods_of_zero_log_evaluate_and_checkpoint_only_at_the_end(tmp_path):
+    config = tiny_config(tmp_path)
+    config.eval.every = config.checkpoint.every = config.sft.log_every = 0
+    config.rl.iterations = 3
+    config.eval.pass_k = 0
+    config.metrics.tensorboard = False
+    trainer.train_and_evaluate(config, quiet=True)
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["stage"] == "sft"] == [config.sft.steps]
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [1, 2, 3]
+    assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [3]
+    assert records[-1]["stage"] == "summary"
+    assert trainer.Checkpointer(str(tmp_path / "checkpoints"), 2).latest_meta()["iteration"] == 3
+
+
 def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
     config = tiny_config(tmp_path)
     config.allocation.strategy = "knapsack"
