@@ -73,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
     # Servers only: generate calls dispatched ahead of the thread that turns results into tokens and
     # frees finished requests' slots (1 = none ahead: a finished slot is refilled on the next call).
-    config.sampler.pipeline_depth = 2
+    config.sampler.pipeline_depth = 1
     # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
     # this host, fed new weights over gRPC after every update (each with the slots above).
     config.sampler.num_servers = 0

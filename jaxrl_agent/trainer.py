@@ -196,6 +196,9 @@ class Trainer:
             section, field = name.split(".")
             if config[section][field] < 0:
                 raise ValueError(f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
+        if config.sampler.pipeline_depth < 1:
+            raise ValueError(f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected >= 1 "
+                             "(generate calls a sampler server dispatches ahead of its detokenize thread)")
         if config.rl.time_budget_minutes < 0:
             raise ValueError(f"rl.time_budget_minutes={config.rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
         self.servers = None

@@ -256,6 +256,13 @@ def test_a_negative_time_budget_is_rejected(tmp_path):
         trainer.Trainer(config, str(tmp_path), quiet=True)
 
 
+def test_a_server_pipeline_depth_below_one_is_rejected(tmp_path):
+    config = tiny_config(tmp_path)
+    config.sampler.pipeline_depth = 0
+    with pytest.raises(ValueError, match="sampler.pipeline_depth=0: expected >= 1"):
+        trainer.Trainer(config, str(tmp_path), quiet=True)
+
+
 @pytest.mark.parametrize("name", ["eval.every", "checkpoint.every", "sft.log_every", "sft.eval_every"])
 def test_a_negative_period_is_rejected(tmp_path, name):
     config = tiny_config(tmp_path)
