@@ -93,7 +93,7 @@ class SamplerDriver(orchestrator.Driver):
         # The same counters as `LocalSampler.stats`, kept by the generate thread (wall time of that
         # thread: idle = waiting with no request at all; admit = batched prefills of admitted
         # requests; decode = dispatching `generate` calls and waiting for a pipeline place, i.e.
-        # for the call two back to be turned into tokens). Reported by `Info` as "sampler".
+        # for an earlier call to be turned into tokens). Reported by `Info` as "sampler".
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "generate_calls": 0,
                       "idle_seconds": 0.0, "admit_seconds": 0.0, "decode_seconds": 0.0, "live_slots": 0,
                       "decoded_slots": 0}
