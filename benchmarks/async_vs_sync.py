@@ -25,6 +25,12 @@ VARIANTS = {
                                 "--config.rollout.token_budget=64"],
     "async (S=2) + partial": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=2",
                               "--config.rollout.token_budget=64"],
+    # The staleness bound's two knobs: a looser bound, or stale tokens kept with zero loss weight
+    # (masked) instead of their episodes dropped.
+    "async (S=3) + partial": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=3",
+                              "--config.rollout.token_budget=64"],
+    "async (S=2) masked + partial": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=2",
+                                    "--config.rollout.stale_policy=mask", "--config.rollout.token_budget=64"],
     # More groups open at once (P + 192 = 4P instead of 2P): more episodes to decode while others sleep in tools.
     "async (S=3) + partial + 4P open": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=3",
                                         "--config.rollout.token_budget=64", "--config.rollout.groups_in_flight=192"],
