@@ -207,12 +207,13 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
 
 
 def _early_stop_config(tmp_path, checkpoint_every: int):
-    """50 RL iterations planned, evaluations only at the end: a stopping rule must end RL early
-    with its own checkpoint and evaluation."""
+    """50 RL iterations planned, evaluations only at the end (a period of 0; so is SFT's logging):
+    a stopping rule must end RL early with its own checkpoint and evaluation."""
     config = tiny_config(tmp_path)
     config.rl.iterations = 50
     config.checkpoint.every = checkpoint_every
-    config.eval.every = 100
+    config.eval.every = 0
+    config.sft.log_every = 0
     config.eval.pass_k = 0
     config.sft.steps = 1
     config.metrics.tensorboard = False
@@ -229,7 +230,7 @@ def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_
 
 
 def test_time_budget_ends_rl_at_an_iteration_boundary_with_a_checkpoint_and_an_evaluation(tmp_path):
-    config = _early_stop_config(tmp_path, checkpoint_every=100)
+    config = _early_stop_config(tmp_path, checkpoint_every=0)  # 0: only at the end
     # Already spent by the time RL starts (the initial and post-SFT evaluations take longer).
     config.rl.time_budget_minutes = 1e-4
     records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
@@ -270,21 +271,6 @@ def test_a_negative_period_is_rejected(tmp_path, name):
     config[section][field] = -2
     with pytest.raises(ValueError, match=rf"{name}=-2: expected >= 0"):
         trainer.Trainer(config, str(tmp_path), quiet=True)
-
-
-def test_periods_of_zero_log_evaluate_and_checkpoint_only_at_the_end(tmp_path):
-    config = tiny_config(tmp_path)
-    config.eval.every = config.checkpoint.every = config.sft.log_every = 0
-    config.rl.iterations = 3
-    config.eval.pass_k = 0
-    config.metrics.tensorboard = False
-    trainer.train_and_evaluate(config, quiet=True)
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in records if r["stage"] == "sft"] == [config.sft.steps]
-    assert [r["step"] for r in records if r["stage"] == "rl"] == [1, 2, 3]
-    assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [3]
-    assert records[-1]["stage"] == "summary"
-    assert trainer.Checkpointer(str(tmp_path / "checkpoints"), 2).latest_meta()["iteration"] == 3
 
 
 def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
