@@ -14,10 +14,9 @@ and prints `tunix_times=<t1,t2,...>` (seconds): `benchmarks/learner_step.py` alt
 its own steps with rounds of these, so both see the same machine state.
 """
 
-import sys
-
 import argparse
 import statistics
+import sys
 import time
 
 import jax

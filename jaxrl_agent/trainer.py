@@ -322,13 +322,11 @@ class Trainer:
 
     def _sampler_stats(self) -> dict[str, float]:
         """The sampler's counters: the in-process sampler's own, or the servers' over `Info`."""
-        if hasattr(self.sampler, "sampler_stats"):
-            try:
-                return self.sampler.sampler_stats()
-            except Exception as err:  # noqa: BLE001 - metrics must not stop the run
-                print(f"warning: sampler stats unavailable: {err}", flush=True)
-                return {}
-        return dict(getattr(self.sampler, "stats", {}))
+        try:
+            return self.sampler.sampler_stats()
+        except Exception as err:  # noqa: BLE001 - metrics must not stop the run (a server may be down)
+            print(f"warning: sampler stats unavailable: {err}", flush=True)
+            return {}
 
     def _push_weights(self, params) -> None:
         self.version += 1

@@ -174,6 +174,10 @@ class LocalSampler:
     def update_weights(self, params, version: int) -> None:
         self.engine.update_weights(params, version)
 
+    def sampler_stats(self) -> dict[str, float]:
+        """A copy of `stats` (the same call on `BackgroundSamplerClient` sums the servers')."""
+        return dict(self.stats)
+
     def close(self) -> None:
         with self._wake:
             self._stopped = True

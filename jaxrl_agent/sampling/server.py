@@ -90,10 +90,10 @@ class SamplerDriver(orchestrator.Driver):
         self._admission: queue.Queue = queue.Queue()  # validated requests, prefill -> generate
         # Generate calls not yet turned into tokens by the detokenize thread, at most pipeline_depth.
         self._calls_in_flight = threading.Semaphore(pipeline_depth)
-        # The same counters as `LocalSampler.stats`, kept by the generate thread (wall time of that
-        # thread: idle = waiting with no request at all; admit = batched prefills of admitted
-        # requests; decode = dispatching `generate` calls and waiting for a pipeline place, i.e.
-        # for an earlier call to be turned into tokens). Reported by `Info` as "sampler".
+        # The counters of `LocalSampler.stats` that the trainer reads, kept by the generate thread
+        # (its wall time: idle = waiting with no request at all; admit = batched prefills of
+        # admitted requests; decode = dispatching `generate` calls and waiting for a pipeline place,
+        # i.e. for an earlier call to be turned into tokens). Reported by `Info` as "sampler".
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "generate_calls": 0,
                       "idle_seconds": 0.0, "admit_seconds": 0.0, "decode_seconds": 0.0, "live_slots": 0,
                       "decoded_slots": 0}
@@ -170,13 +170,12 @@ class SamplerDriver(orchestrator.Driver):
                 try:
                     request = self._admission.get(block=wait, timeout=0.5 if wait else None)
                 except queue.Empty:
-                    if idle and not admitted:
-                        self.stats["idle_seconds"] += time.perf_counter() - waited
                     if idle and not admitted and self.live:
                         continue  # nothing to decode: keep waiting for work
                     break
-                if idle and not admitted:
-                    self.stats["idle_seconds"] += time.perf_counter() - waited
+                finally:
+                    if idle and not admitted:  # waited with no request at all
+                        self.stats["idle_seconds"] += time.perf_counter() - waited
                 if request is None:
                     return
                 admitted.append((free.pop(), request))
