@@ -186,7 +186,13 @@ class AgentEngine(engine_api.Engine):
         self.stop_token_ids = tuple(stop_token_ids if stop_token_ids is not None else (tokenizer.eos_id,))
         self._mesh = mesh or jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
         self._lock = threading.Lock()
+        # With tied embeddings on CPU the decode loop reads the output projection as a materialised
+        # [H, V] copy of the embedding's transpose, made once per weight update (see models.extend):
+        # the logits product is the largest of a decode step, and ~25% faster in that layout.
+        self._output_kernel_fn = (jax.jit(functools.partial(models.output_kernel, config))
+                                  if config.tie_word_embeddings and jax.default_backend() == "cpu" else None)
         self._params = params
+        self._kernel = self._output_kernel_fn(params) if self._output_kernel_fn else None
         self._version = int(version)
         self._seed = seed
         if prefix_cache_entries < 0:
@@ -200,7 +206,7 @@ class AgentEngine(engine_api.Engine):
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
         self._generate_fn = jax.jit(
             functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
-            donate_argnums=(1,), static_argnames=("rows",))
+            donate_argnums=(2,), static_argnames=("rows",))
         self._prefill_count = 0
 
     # ---------------------------------------------------------------- weights
@@ -218,8 +224,9 @@ class AgentEngine(engine_api.Engine):
         # train step, which may run while this engine is still sampling (asynchronous schedules).
         params = jax.tree.map(lambda new, old: jax.device_put(jnp.array(new, old.dtype, copy=True), old.sharding),
                               params, self._params)
+        kernel = self._output_kernel_fn(params) if self._output_kernel_fn else None
         with self._lock:
-            self._params, self._version = params, int(version)
+            self._params, self._kernel, self._version = params, kernel, int(version)
 
     # ---------------------------------------------------------------- JetStream Engine API
     def load_params(self, *args, **kwargs):
@@ -376,8 +383,10 @@ class AgentEngine(engine_api.Engine):
         evaluation's end or an asynchronous run's waits on tools have few slots live. The other
         slots' rows of the result are zero (not valid)."""
         del params
-        params, version = self.current_params()
-        state, data = self._generate_fn(params, decode_state, jnp.int32(version), rows=self.decode_rows(live_slots))
+        with self._lock:
+            params, kernel, version = self._params, self._kernel, self._version
+        state, data = self._generate_fn(params, kernel, decode_state, jnp.int32(version),
+                                        rows=self.decode_rows(live_slots))
         k = self.steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                          length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
@@ -530,8 +539,9 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     )
 
 
-def _generate(config, steps, stop_ids, params, state: DecodeState, version, rows: int):
-    """`steps` decode steps over the first `rows` slots (static); the other slots are left as they are."""
+def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, version, rows: int):
+    """`steps` decode steps over the first `rows` slots (static); the other slots are left as they are.
+    kernel: the output projection [H, V], or None to derive it from params in the loop."""
     max_len = state.cache.max_length
     params = models.unstack_layers(params)  # once per call, not per step (see unstack_layers)
     b = state.next_token.shape[0]
@@ -547,7 +557,7 @@ def _generate(config, steps, stop_ids, params, state: DecodeState, version, rows
         generated = state.generated + state.active.astype(jnp.int32)
         # Run the model on the token just emitted, at its position, to sample the next one.
         position = jnp.minimum(state.position, max_len - 1)
-        logits, cache = models.decode_step(config, params, state.next_token, position, state.cache)
+        logits, cache = models.decode_step(config, params, state.next_token, position, state.cache, kernel=kernel)
         rng, key = jax.random.split(state.rng)
         token, logprob = decoding.sample_tokens(logits, key, state.temperature, state.top_k, state.top_p)
         keep_going = state.active & ~is_stop & (state.position < max_len)

@@ -1,5 +1,6 @@
 """The engine and the in-process sampler: exact greedy decoding, exact log-probs, slots, stops."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,39 @@ def test_weight_update_takes_effect_and_versions_are_recorded():
     assert tokens[3] == int(jnp.argmax(logits[0]))
 
 
+def test_tied_embeddings_decode_through_a_materialised_kernel_that_follows_weight_updates():
+    """With tied embeddings the engine decodes against an [H, V] copy of the embedding's transpose
+    made at each weight update (models.extend): greedy tokens and log-probs must be the full
+    forward's, before and after an update (a stale copy would decode with the old projection)."""
+    tied = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    params = models.init_params(tied, jax.random.PRNGKey(4))
+    forward = jax.jit(models.forward, static_argnums=0)
+
+    def reference(params, prompt, n):
+        seq, lps = list(prompt), []
+        for _ in range(n):
+            logits = forward(tied, params, jnp.asarray([seq]))[0, -1]
+            seq.append(int(jnp.argmax(logits)))
+            lps.append(float(jax.nn.log_softmax(logits)[seq[-1]]))
+        return seq[len(prompt):], lps
+
+    engine = AgentEngine(tied, params, TOKENIZER, max_concurrent_decodes=2, max_prefill_length=32,
+                         max_cache_length=64, steps_per_call=3, stop_token_ids=[])
+    prompts = [TOKENIZER.encode(p) for p in PROMPTS[:3]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=7)
+    # The embedding alone changes: only the output projection (and the input embedding) differ.
+    params2 = {**params, "embed": {"embedding": params["embed"]["embedding"][::-1] * 1.3}}
+    with LocalSampler(engine) as sampler:
+        for version, p in ((0, params), (1, params2)):
+            if version:
+                sampler.update_weights(params2, version)
+            for prompt, completion in zip(prompts, sampler.generate_many(prompts, greedy)):
+                tokens, lps = reference(p, prompt, 7)
+                assert list(completion.token_ids) == tokens, (version, prompt)
+                np.testing.assert_allclose(completion.logprobs, lps, atol=1e-5)
+                assert set(completion.versions) == {version}
+
+
 def test_concurrent_async_requests_do_not_cross_talk():
     import asyncio
 
@@ -151,6 +185,23 @@ def test_filters_restrict_the_support():
     tokens, lps = decoding.sample_tokens(logits, jax.random.PRNGKey(0), jnp.asarray([1.0, 1.0]),
                                          jnp.asarray([1, 1]), jnp.asarray([1.0, 1.0]))
     assert tokens.tolist() == [1, 0] and np.allclose(lps, 0.0)  # top-1: a point mass
+
+
+def test_greedy_tokens_are_the_first_maximum_and_nan_rows_give_token_zero():
+    rng = np.random.RandomState(0)
+    logits = rng.randint(0, 4, (64, 50)).astype(np.float32)  # many ties for the maximum
+    logits[3] = -np.inf
+    logits[3, 7] = 2.0
+    zeros = np.zeros(64, np.float32)
+    tokens, lps = decoding.sample_tokens(jnp.asarray(logits), jax.random.PRNGKey(0), jnp.asarray(zeros),
+                                         jnp.zeros(64, jnp.int32), jnp.ones(64, jnp.float32))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    np.testing.assert_allclose(lps, jax.nn.log_softmax(jnp.asarray(logits))[np.arange(64), np.argmax(logits, -1)],
+                               atol=1e-6)
+    nan_row = np.where(np.arange(50) == 5, np.nan, 1.0).astype(np.float32)[None]
+    token, lp = decoding.sample_tokens(jnp.asarray(nan_row), jax.random.PRNGKey(0), jnp.zeros(1), jnp.zeros(1, jnp.int32),
+                                       jnp.ones(1))
+    assert int(token[0]) == 0 and np.isnan(lp[0])  # a valid id; the NaN log-prob is rejected downstream
 
 
 def test_sampling_params_validation():

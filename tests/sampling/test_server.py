@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import jax
@@ -198,13 +199,17 @@ def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
 
     async def run():
         client = SamplerClient(addresses)
-        long = SamplingParams(temperature=0.0, max_tokens=200)  # ~1-2 s of decoding per request
-        # An update must land while requests decode. Under a loaded machine a round can miss that
-        # window (all requests done first), so up to 4 rounds, each with a new version number.
+        long = SamplingParams(temperature=0.0, max_tokens=200)
+        # An update must land while requests decode: the wait before it is a fraction of how long one
+        # request takes here and now (a fixed wait missed the window once decoding got faster). A
+        # round can still miss it on a loaded machine, so up to 4 rounds, each with a new version.
+        started = time.perf_counter()
+        await client.generate(TOKENIZER.encode(PROMPTS[0]), long)
+        solo = time.perf_counter() - started
         rounds = []
-        for version in (5, 6, 7, 8):
+        for version, fraction in zip((5, 6, 7, 8), (0.4, 0.2, 0.6, 0.1)):
             in_flight = [asyncio.create_task(client.generate(TOKENIZER.encode(p), long)) for p in PROMPTS]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(solo * fraction)
             assert await client.update_weights(params2, version) == {}
             rounds.append((version, await asyncio.gather(*in_flight)))
             if any(len(set(c.versions)) == 2 for c in rounds[-1][1]):
