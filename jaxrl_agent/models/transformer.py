@@ -408,7 +408,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
 
 def extend(
     config: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
-    kernel: jax.Array | None = None,
+    kernel: jax.Array | None = None, at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs T new tokens per row against the cache and writes their keys/values into it.
 
@@ -422,9 +422,12 @@ def extend(
         passes it in, made once outside the loop: with tied embeddings the default is the
         embedding's transpose, which XLA:CPU folds into the product as a [B, H] x [V, H]ᵀ matmul,
         ~25% slower at B = 8 than the same product against a materialised [H, V] kernel.
+      at: optional [N] int, flat indices b * T + t of the only positions whose logits are wanted
+        (a prefill samples from its prompt's last token alone): the output projection then runs
+        on N rows instead of B * T.
 
     Returns:
-      (logits [B, T, V] float32, updated cache).
+      (logits [B, T, V] float32 — or [N, V] with `at` — and the updated cache).
     """
     _check_tokens(config, tokens, 2)
     slots = jnp.arange(cache.max_length)[None, :]
@@ -433,15 +436,18 @@ def extend(
     if kernel is None:
         kernel = output_kernel(config, params)
     x = Transformer(config).apply({"params": params}, x, method=Transformer.normed)
+    if at is not None:
+        x = x.reshape(-1, x.shape[-1])[at][None]  # [1, N, H]
+        return jnp.einsum("bth,hv->btv", x, kernel, preferred_element_type=jnp.float32)[0], cache
     return jnp.einsum("bth,hv->btv", x, kernel, preferred_element_type=jnp.float32), cache
 
 
 def prefill(
-    config: ModelConfig, params: Params, tokens: jax.Array, cache: KVCache
+    config: ModelConfig, params: Params, tokens: jax.Array, cache: KVCache, *, at: jax.Array | None = None
 ) -> tuple[jax.Array, KVCache]:
     """Processes prompts [B, T] from position 0 (right padding is harmless); see `extend`."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return extend(config, params, tokens, positions, cache)
+    return extend(config, params, tokens, positions, cache, at=at)
 
 
 def decode_step(

@@ -253,9 +253,9 @@ class AgentEngine(engine_api.Engine):
         params, version = self.current_params()
         self._prefill_count += 1
         rng = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._prefill_count)
-        return self._prefill_fn(params, jnp.asarray(tokens)[None], jnp.int32(true_length), rng,
-                                jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
-                                jnp.float32(sampling.top_p), jnp.int32(version))
+        return self._prefill_fn(params, tokens[None], np.int32(true_length), rng,
+                                np.float32(sampling.temperature), np.int32(sampling.top_k),
+                                np.float32(sampling.top_p), np.int32(version))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_fn(prefix, decode_state, jnp.int32(slot))
@@ -292,14 +292,15 @@ class AgentEngine(engine_api.Engine):
         for i, prompt in enumerate(unique):
             unique_tokens[i, :prompt.size] = prompt
         source = np.asarray(source + [0] * (rows - n), np.int32)  # padding rows read unique prompt 0
-        return self._prefill_insert_fn(params, decode_state, jnp.asarray(unique_tokens), jnp.asarray(source),
+        return self._prefill_insert_fn(params, decode_state, unique_tokens, source,
                                        batch["true_lengths"], batch["counts"], batch["temperature"], batch["top_k"],
-                                       batch["top_p"], jnp.int32(version), batch["slots"])
+                                       batch["top_p"], np.int32(version), batch["slots"])
 
-    def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, jax.Array]:
+    def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, np.ndarray]:
         """Right-pads `token_rows` to [R, bucket] for a power-of-two R >= MIN_PREFILL_ROWS (each
         distinct shape costs one compilation; padding rows cost compute and are dropped: their slot
-        is out of range), with per-row sampling params and RNG stream counts."""
+        is out of range), with per-row sampling params and RNG stream counts. Host (numpy) arrays:
+        the jitted call transfers them, where a `jnp.asarray` each cost ~0.1 ms of dispatch."""
         n = len(token_rows)
         rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
         pad = rows - n
@@ -309,13 +310,13 @@ class AgentEngine(engine_api.Engine):
         counts = np.arange(self._prefill_count + 1, self._prefill_count + rows + 1, dtype=np.uint32)
         self._prefill_count += n
         return {
-            "tokens": jnp.asarray(tokens),
-            "true_lengths": jnp.asarray(np.asarray(list(lengths) + [1] * pad, np.int32)),
-            "counts": jnp.asarray(counts),
-            "temperature": jnp.asarray(np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32)),
-            "top_k": jnp.asarray(np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32)),
-            "top_p": jnp.asarray(np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32)),
-            "slots": jnp.asarray(np.asarray(list(slots) + [self._slots] * pad, np.int32)),
+            "tokens": tokens,
+            "true_lengths": np.asarray(list(lengths) + [1] * pad, np.int32),
+            "counts": counts,
+            "temperature": np.asarray([s.temperature for s in samplings] + [1.0] * pad, np.float32),
+            "top_k": np.asarray([s.top_k for s in samplings] + [0] * pad, np.int32),
+            "top_p": np.asarray([s.top_p for s in samplings] + [1.0] * pad, np.float32),
+            "slots": np.asarray(list(slots) + [self._slots] * pad, np.int32),
             "pad": pad,
         }
 
@@ -348,9 +349,9 @@ class AgentEngine(engine_api.Engine):
         batch = self._batch_rows(suffixes, lengths, self.bucket_length(max(lengths)), samplings, slots)
         pad = batch["pad"]
         return self._extend_insert_fn(
-            params, decode_state, jnp.asarray(np.asarray(list(entries) + [0] * pad, np.int32)),
-            jnp.asarray(np.asarray(list(starts) + [0] * pad, np.int32)), batch["tokens"], batch["true_lengths"],
-            batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"], jnp.int32(version),
+            params, decode_state, np.asarray(list(entries) + [0] * pad, np.int32),
+            np.asarray(list(starts) + [0] * pad, np.int32), batch["tokens"], batch["true_lengths"],
+            batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"], np.int32(version),
             batch["slots"])
 
     def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int]) -> DecodeState:
@@ -359,8 +360,8 @@ class AgentEngine(engine_api.Engine):
             raise ValueError(f"{len(slots)} slots and {len(entries)} entries differ")
         rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(len(slots), 1)))))
         pad = rows - len(slots)
-        return self._save_fn(decode_state, jnp.asarray(np.asarray(list(slots) + [0] * pad, np.int32)),
-                             jnp.asarray(np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32)))
+        return self._save_fn(decode_state, np.asarray(list(slots) + [0] * pad, np.int32),
+                             np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32))
 
     def decode_rows(self, live_slots: int | None) -> int:
         """Slots a `generate` call decodes when every live slot lies below `live_slots`: B/8 or B/4
@@ -385,7 +386,7 @@ class AgentEngine(engine_api.Engine):
         del params
         with self._lock:
             params, kernel, version = self._params, self._kernel, self._version
-        state, data = self._generate_fn(params, kernel, decode_state, jnp.int32(version),
+        state, data = self._generate_fn(params, kernel, decode_state, np.int32(version),
                                         rows=self.decode_rows(live_slots))
         k = self.steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
@@ -400,7 +401,7 @@ class AgentEngine(engine_api.Engine):
         """Stops several slots in one call (a boolean mask, so one compiled shape)."""
         mask = np.zeros(self._slots, bool)
         mask[list(slots)] = True
-        return self._free_fn(decode_state, jnp.asarray(mask))
+        return self._free_fn(decode_state, mask)
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         b = self._slots
@@ -449,8 +450,7 @@ class AgentEngine(engine_api.Engine):
 # ------------------------------------------------------------------------------ jitted functions
 def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p, version) -> Prefix:
     cache = models.init_cache(config, 1, tokens.shape[1])
-    logits, cache = models.prefill(config, params, tokens, cache)
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    last, cache = models.prefill(config, params, tokens, cache, at=(true_length - 1)[None])  # [1, V]
     token, logprob = decoding.sample_tokens(last, rng, temperature[None], top_k[None], top_p[None])
     return Prefix(k=cache.k, v=cache.v, true_length=true_length, first_token=token[0], first_logprob=logprob[0],
                   version=version, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -463,8 +463,7 @@ def _prefill_insert_many(config, seed, params, state: DecodeState, unique_tokens
     row). Same sampling per row as `_prefill` with that row's key."""
     p = unique_tokens.shape[1]
     cache = models.init_cache(config, unique_tokens.shape[0], p)
-    logits, cache = models.prefill(config, params, unique_tokens, cache)
-    last = logits.reshape(-1, logits.shape[-1])[source * p + true_lengths - 1]  # [N, V]
+    last, cache = models.prefill(config, params, unique_tokens, cache, at=source * p + true_lengths - 1)  # [N, V]
     rows = models.KVCache(*(tuple(c[source] for c in caches) for caches in (cache.k, cache.v)))
     return _sample_and_insert(seed, state, last, rows, true_lengths, counts, temperature, top_k, top_p, version,
                               slots)
@@ -478,8 +477,8 @@ def _extend_insert_many(config, seed, params, state: DecodeState, entries, start
     # A padded suffix may run past the cache's end; `extend` drops those writes (only padding).
     rows = models.KVCache(*(tuple(c[entries] for c in caches) for caches in (state.pool.k, state.pool.v)))
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, cache = models.extend(config, params, tokens, positions, rows)
-    last = jnp.take_along_axis(logits, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [N, V]
+    last, cache = models.extend(config, params, tokens, positions, rows,
+                                at=jnp.arange(tokens.shape[0]) * t + true_lengths - 1)  # [N, V]
     return _sample_and_insert(seed, state, last, cache, starts + true_lengths, counts, temperature, top_k, top_p,
                               version, slots)
 

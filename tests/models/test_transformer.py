@@ -41,6 +41,24 @@ def test_token_by_token_decode_matches_forward(arch):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied output projections
+def test_prefill_logits_at_selected_positions_equal_the_full_logits_there(arch):
+    config = CONFIGS[arch]
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 12), 0, config.vocab_size)
+    full, full_cache = models.prefill(config, params, tokens, models.init_cache(config, 3, 16))
+    rows, cols = np.asarray([1, 0, 2, 1]), np.asarray([5, 11, 0, 5])  # a repeated position too
+    at = jnp.asarray(rows * 12 + cols)
+    picked, cache = models.prefill(config, params, tokens, models.init_cache(config, 3, 16), at=at)
+    assert picked.shape == (4, config.vocab_size)
+    np.testing.assert_allclose(picked, np.asarray(full)[rows, cols], atol=1e-5, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), cache, full_cache)
+    # The output projection passed in explicitly (as the engine's decode loop does) gives the same.
+    step, _ = models.decode_step(config, params, tokens[:, 0], jnp.zeros(3, jnp.int32),
+                                 models.init_cache(config, 3, 16), kernel=models.output_kernel(config, params))
+    np.testing.assert_allclose(step, np.asarray(full)[:, 0], atol=1e-5, rtol=0)
+
+
 def test_decode_with_ragged_rows_and_padded_prefill():
     """Rows at different positions (JetStream slots) and a right-padded prefill bucket."""
     config = CONFIGS["llama"]
