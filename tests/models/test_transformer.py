@@ -72,13 +72,18 @@ def test_decode_with_ragged_rows_and_padded_prefill():
         padded[b, :n] = seqs[b][:n]
         padded[b, n:] = 7
     _, cache = models.prefill(config, params, jnp.asarray(padded), cache)
+    decode = jax.jit(functools.partial(models.decode_step, config))
+    # One compiled forward: each sequence right-padded to 10 (causal: padding cannot change the
+    # logits before it), instead of eager forwards at eight lengths (~10 s of op-by-op dispatch).
+    forward = jax.jit(functools.partial(models.forward, config))
     for step in range(4):
         tokens = jnp.asarray([seqs[b][lengths[b] + step] for b in range(2)])
         positions = jnp.asarray([lengths[b] + step for b in range(2)])
-        logits, cache = models.decode_step(config, params, tokens, positions, cache)
+        logits, cache = decode(params, tokens, positions, cache)
         for b in range(2):
-            alone = models.forward(config, params, jnp.asarray(seqs[b][None, : lengths[b] + step + 1]))
-            np.testing.assert_allclose(logits[b], alone[0, -1], atol=1e-5, rtol=0)
+            n = lengths[b] + step + 1
+            alone = forward(params, jnp.asarray(np.pad(seqs[b][:n], (0, 10 - n))[None]))
+            np.testing.assert_allclose(logits[b], alone[0, n - 1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

@@ -136,7 +136,9 @@ def test_tied_embeddings_decode_through_a_materialised_kernel_that_follows_weigh
     def reference(params, prompt, n):
         seq, lps = list(prompt), []
         for _ in range(n):
-            logits = forward(tied, params, jnp.asarray([seq]))[0, -1]
+            padded = np.zeros((1, PAD_TO), np.int32)  # one compiled length (see forward_rows)
+            padded[0, :len(seq)] = seq
+            logits = forward(tied, params, jnp.asarray(padded))[0, len(seq) - 1]
             seq.append(int(jnp.argmax(logits)))
             lps.append(float(jax.nn.log_softmax(logits)[seq[-1]]))
         return seq[len(prompt):], lps
