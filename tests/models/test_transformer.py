@@ -119,9 +119,9 @@ def test_remat_and_unrolled_layers_give_identical_values_and_gradients(remat, sc
     def loss(cfg, p):
         return jnp.mean(jax.nn.log_softmax(models.forward(cfg, p, tokens, segment_ids=segments))[..., 0])
 
-    value, grad = jax.value_and_grad(functools.partial(loss, config))(params)
+    value, grad = jax.jit(jax.value_and_grad(functools.partial(loss, config)))(params)
     variant = config.replace(remat=remat, scan_layers=scan_layers)
-    value_r, grad_r = jax.value_and_grad(functools.partial(loss, variant))(params)
+    value_r, grad_r = jax.jit(jax.value_and_grad(functools.partial(loss, variant)))(params)
     np.testing.assert_allclose(value, value_r, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_r)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
