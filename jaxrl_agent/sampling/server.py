@@ -327,7 +327,7 @@ class SamplerService:
         import orbax.checkpoint as ocp
 
         try:
-            target = self.engine.current_params()[0]
+            target = self.engine.param_template()
             params = await asyncio.to_thread(ocp.StandardCheckpointer().restore, request["path"], target)
             await asyncio.to_thread(self.engine.update_weights, params, int(request["version"]))
         except Exception as err:  # noqa: BLE001 - report, keep serving the old weights
