@@ -1,6 +1,7 @@
 """Generated tokens per second: in-process engine, gRPC server, and a naive full-forward loop.
 
   python benchmarks/sampler_throughput.py [--concurrency 1,8,32] [--new_tokens 64] [--repeats 3]
+  python benchmarks/sampler_throughput.py --breakdown --steps_per_call 16   # prefill / decode step alone
 
 Model: Qwen3-style, 2 layers, d=256, 4 heads (2 KV), head_dim 64, MLP 768, vocab 8192, random
 weights, float32. Each run submits `concurrency` requests at once (prompt 16 tokens, `new_tokens`
@@ -110,6 +111,27 @@ def start_server(slots, steps, new_tokens):
     return proc, f"127.0.0.1:{port}"
 
 
+def bench_breakdown(config, params, steps, new_tokens, repeats=40):
+    """The engine's two compiled pieces at batch 8, each timed to completion (medians of `repeats`):
+    a batched prefill of 8 prompts into 8 slots, and one `generate` call of `steps` greedy decode
+    steps over 8 live slots. Returns (prefill ms, generate ms)."""
+    engine = _engine(config, params, 8, steps, new_tokens)
+    sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    prompts = [np.asarray(p, np.int32) for p in _prompts(8)]
+    prefill, generate = [], []
+    for i in range(repeats + 2):  # the first two compile
+        start = time.perf_counter()
+        state = jax.block_until_ready(engine.prefill_insert_many(prompts, [sampling] * 8,
+                                                                 engine.init_decode_state(), list(range(8))))
+        middle = time.perf_counter()
+        state, result = engine.generate(None, state)
+        np.asarray(result.data)
+        if i >= 2:
+            prefill.append(middle - start)
+            generate.append(time.perf_counter() - middle)
+    return statistics.median(prefill) * 1e3, statistics.median(generate) * 1e3
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="1,8,32")
@@ -117,12 +139,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps_per_call", type=int, default=4)
     parser.add_argument("--skip_server", action="store_true")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="Only time the 8-slot engine's batched prefill and one generate call, then exit.")
     parser.add_argument("--tunix_python", default="",
                         help="A Python with google-tunix: also run tunix's sampler (batch 8) in this session.")
     args = parser.parse_args()
     config = models.ModelConfig(**MODEL)
     # The server builds its model from the config's seed (0): the same weights as here.
     params = models.init_params(config, jax.random.PRNGKey(0))
+    if args.breakdown:
+        prefill_ms, generate_ms = bench_breakdown(config, params, args.steps_per_call, args.new_tokens)
+        print(f"batch 8: prefill of 8 x {PROMPT_LEN}-token prompts {prefill_ms:.2f} ms; one {args.steps_per_call}-step "
+              f"generate call {generate_ms:.2f} ms = {generate_ms / args.steps_per_call:.3f} ms per decode step")
+        return
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = max(levels)
     rows = []

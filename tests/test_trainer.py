@@ -234,6 +234,7 @@ def test_time_budget_ends_rl_at_an_iteration_boundary_with_a_checkpoint_and_an_e
     # Already spent by the time RL starts (the initial and post-SFT evaluations take longer).
     config.rl.time_budget_minutes = 1e-4
     records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
+    assert [r["step"] for r in records if r["stage"] == "sft"] == [config.sft.steps]  # log_every 0: at the end
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
     assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
     (end,) = [r for r in records if r["stage"] == "rl_end"]

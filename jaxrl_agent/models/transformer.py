@@ -437,9 +437,8 @@ def extend(
         kernel = output_kernel(config, params)
     x = Transformer(config).apply({"params": params}, x, method=Transformer.normed)
     if at is not None:
-        x = x.reshape(-1, x.shape[-1])[at][None]  # [1, N, H]
-        return jnp.einsum("bth,hv->btv", x, kernel, preferred_element_type=jnp.float32)[0], cache
-    return jnp.einsum("bth,hv->btv", x, kernel, preferred_element_type=jnp.float32), cache
+        x = x.reshape(-1, x.shape[-1])[at]  # [N, H]
+    return jnp.einsum("...h,hv->...v", x, kernel, preferred_element_type=jnp.float32), cache
 
 
 def prefill(

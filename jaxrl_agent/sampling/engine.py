@@ -555,9 +555,9 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
 
 def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, version, rows: int):
     """`steps` decode steps over the first `rows` slots (static); the other slots are left as they are.
-    kernel: the output projection [H, V], or None to derive it from params in the loop."""
+    params: the engine's weights, layers unstacked (see `AgentEngine.__init__`); kernel: the output
+    projection [H, V], or None to derive it from params in the loop."""
     max_len = state.cache.max_length
-    params = models.unstack_layers(params)  # a no-op for the engine's own (already unstacked) weights
     b = state.next_token.shape[0]
     per_slot = ("next_token", "next_logprob", "next_version", "position", "generated", "active", "temperature",
                 "top_k", "top_p")
