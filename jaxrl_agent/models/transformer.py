@@ -11,10 +11,10 @@ parameter pytree and arrays:
 
 The L decoder blocks run under `nn.scan`, so their parameters are stacked along a leading layer
 axis (`params['layers'][...]['kernel']` is `[L, ...]`) and one block is compiled regardless of
-depth. The KV cache is one `[B, K, S, D]` buffer per layer: keys of one head are contiguous over the
-sequence, which decodes faster on CPU than `[L, B, S, K, D]` (see background/learning-notes.md),
-and a token at position p always lives in cache slot p, written in place. The cached path runs the
-layers unrolled over per-layer cache buffers (see `KVCache`).
+depth. The KV cache holds, per layer, keys `[B, K, D, S]` and values `[B, K, S, D]` (see
+`KVCache`): one head's entries are contiguous over the sequence, which decodes faster on CPU than
+`[L, B, S, K, D]` (see background/learning-notes.md), and a token at position p always lives in
+cache slot p, written in place. The cached path runs the layers unrolled over per-layer buffers.
 
 Logits and every softmax are computed in float32 whatever `config.dtype` is.
 """
@@ -89,18 +89,30 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(flax.struct.PyTreeNode):
-    """Keys and values: one [B, K, S, D] array per layer (tuples of length L); slot p holds position p.
+    """Per layer (tuples of length L): keys k [B, K, D, S] and values v [B, K, S, D]; slot p holds
+    position p.
 
-    Per-layer buffers rather than one stacked [L, ...] array: each decode step then updates every
-    layer's cache in place, where slicing a stacked cache per layer copies it (measured ~3x slower
-    on CPU at S = 576)."""
+    Keys are stored transposed so that both attention products read the cache in its natural
+    layout — scores q [G, D] x k [D, S] and outputs p [G, S] x v [S, D] per (row, KV head) — and no
+    [S, D] -> [D, S] copy of the keys is made at every decode step (on XLA:CPU that transposed
+    product took ~5x as long as the values' product at S = 96). Per-layer buffers rather than one
+    stacked [L, ...] array: each decode step then updates every layer's cache in place, where
+    slicing a stacked cache per layer copies it (measured ~3x slower on CPU at S = 576)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
     @property
     def max_length(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
+
+    def put_rows(self, rows: "KVCache", slots: jax.Array) -> "KVCache":
+        """Copies row i of `rows` (a cache of N rows and P <= S positions) into the first P
+        positions of row slots[i] of this cache, per layer; a slot >= B drops that row."""
+        p = rows.max_length
+        keys = tuple(c.at[slots, :, :, :p].set(r.astype(c.dtype), mode="drop") for c, r in zip(self.k, rows.k))
+        values = tuple(c.at[slots, :, :p, :].set(r.astype(c.dtype), mode="drop") for c, r in zip(self.v, rows.v))
+        return KVCache(keys, values)
 
 
 def _dense(features, axis, use_bias, config: ModelConfig, name):
@@ -117,15 +129,20 @@ def _dense(features, axis, use_bias, config: ModelConfig, name):
     )
 
 
-def _write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Writes new [B, K, T, D] into cache [B, K, S, D] at positions start[b] + 0..T-1, in place.
+def _write_cache(cache: jax.Array, new: jax.Array, start: jax.Array, *, keys: bool) -> jax.Array:
+    """Writes new [B, K, T, D] at positions start[b] + 0..T-1 of cache [B, K, D, S] (keys) or
+    [B, K, S, D] (values), in place.
 
     Positions past S are dropped (not clamped): a right-padded suffix may run past the end of the
     cache, and only its padding lands there."""
     b, _, t, _ = new.shape
     rows = jnp.arange(b)[:, None]
     positions = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    return cache.at[rows, :, positions, :].set(new.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+    # Both index forms put the indexed axes first: the update is [B, T, K, D] either way.
+    new = new.transpose(0, 2, 1, 3).astype(cache.dtype)
+    if keys:
+        return cache.at[rows, :, :, positions].set(new, mode="drop")
+    return cache.at[rows, :, positions, :].set(new, mode="drop")
 
 
 class Attention(nn.Module):
@@ -155,14 +172,15 @@ class Attention(nn.Module):
         new_cache = None
         if layer_cache is not None:
             cache_k, cache_v = layer_cache
-            key = _write_cache(cache_k, key, cache_start)
-            value = _write_cache(cache_v, value, cache_start)
+            key = _write_cache(cache_k, key, cache_start, keys=True)  # [B, K, D, S]
+            value = _write_cache(cache_v, value, cache_start, keys=False)
             new_cache = (key, value)
-        g, s = n // k, key.shape[2]
+        g, s = n // k, value.shape[2]
         # Query heads sharing a KV head are folded into the query axis: [B, K, G*T, D], so both
         # attention products are plain 4-D batched matmuls.
         q = q.reshape(b, t, k, g, d).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, d)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, key, preferred_element_type=jnp.float32)
+        key_spec = "bkqd,bkds->bkqs" if layer_cache is not None else "bkqd,bksd->bkqs"
+        scores = jnp.einsum(key_spec, q, key, preferred_element_type=jnp.float32)
         scores = scores.reshape(b, k, g, t, s) / jnp.sqrt(jnp.float32(d))
         # An additive bias rather than a select: the backward of `where` materialised a
         # [L, B, K, G, T, S] broadcast of its constant per step on XLA:CPU.
@@ -399,11 +417,12 @@ def unstack_layers(params: Params) -> Params:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
-    """Zeroed KV cache (L arrays [B, K, S, D]) for `batch_size` rows of up to `max_length` tokens."""
-    shape = (batch_size, config.num_kv_heads, max_length, config.head_dim)
+    """Zeroed KV cache (per layer: keys [B, K, D, S], values [B, K, S, D]) for `batch_size` rows of up
+    to `max_length` tokens."""
+    b, k, s, d = batch_size, config.num_kv_heads, max_length, config.head_dim
     dtype = dtype or config.jnp_dtype
-    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
+    return KVCache(k=tuple(jnp.zeros((b, k, d, s), dtype) for _ in range(config.num_layers)),
+                   v=tuple(jnp.zeros((b, k, s, d), dtype) for _ in range(config.num_layers)))
 
 
 def extend(

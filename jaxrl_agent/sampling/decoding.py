@@ -39,6 +39,48 @@ def _first_index_of(z: jax.Array, top: jax.Array) -> jax.Array:
     return jnp.where(first == v, 0, first)
 
 
+_CHUNK = 128  # tokens per chunk of the two-level running sum in `draw_from_weights`
+
+
+def _last_positive(weights: jax.Array) -> jax.Array:
+    """The last index b, v with weights[b, v] > 0 per row (0 when none), int32."""
+    idx = jnp.arange(weights.shape[-1], dtype=jnp.int32)
+    return jnp.maximum(jnp.max(jnp.where(weights > 0, idx, -1), axis=-1), 0)
+
+
+def draw_from_weights(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse-CDF sampling: per row, the first index v whose running sum of `weights` exceeds
+    u * (the row's total), i.e. a draw from the distribution weights / sum(weights).
+
+    weights [B, V] >= 0 (e.g. exp(z - max z)), u [B] uniform in [0, 1) -> [B] int32. A token of
+    weight 0 is never drawn. Where `jax.random.categorical` (Gumbel-max) draws B x V random numbers
+    and takes two logarithms of each — ~1.1 ms of a ~2.5 ms decode step at [8, 8192] on CPU — this
+    needs B numbers and a running sum, done in two levels (sums of 128-token chunks, then within
+    the chosen chunk) so that no [B, V]-long scan is run. Rounding can leave u * total at or above
+    the last running sum (or land on a zero-weight entry): the draw then falls back to the last
+    positive-weight chunk / token.
+    """
+    b, v = weights.shape
+    pad = -v % _CHUNK
+    if pad:
+        weights = jnp.pad(weights, ((0, 0), (0, pad)))
+    chunks = weights.reshape(b, -1, _CHUNK)  # [B, C, 128]
+    chunk_sums = jnp.sum(chunks, axis=-1)  # [B, C]
+    running = jnp.cumsum(chunk_sums, axis=-1)
+    target = u * running[:, -1]  # [B]
+    rows = jnp.arange(b)
+    c = jnp.sum(running <= target[:, None], axis=-1).astype(jnp.int32)  # first chunk passing the target
+    found = (c < running.shape[1]) & (jnp.take_along_axis(chunk_sums, jnp.minimum(c, running.shape[1] - 1)[:, None],
+                                                          -1)[:, 0] > 0)
+    c = jnp.where(found, c, _last_positive(chunk_sums))
+    within = chunks[rows, c]  # [B, 128]
+    inner = (running[rows, c] - chunk_sums[rows, c])[:, None] + jnp.cumsum(within, axis=-1)
+    i = jnp.sum(inner <= target[:, None], axis=-1).astype(jnp.int32)
+    i = jnp.where((i < _CHUNK) & (jnp.take_along_axis(within, jnp.minimum(i, _CHUNK - 1)[:, None], -1)[:, 0] > 0),
+                  i, _last_positive(within))
+    return c * _CHUNK + i
+
+
 def sample_tokens(
     logits: jax.Array, rng: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -61,14 +103,16 @@ def sample_tokens(
     # tempered logits. One row max serves both the greedy argmax and the log-softmax.
     z = jnp.where(greedy[:, None], logits, filtered)
     top = jnp.max(z, axis=-1, keepdims=True)
+    weights = jnp.exp(z - top)  # unnormalised softmax(z): drawn from, and its sum gives the log-prob
     argmax = _first_index_of(z, top)  # jnp.argmax(logits) on greedy rows (only they read it)
-    # Drawing B x V random numbers is a large share of a CPU decode step: skip it when all rows are greedy.
     typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
     per_row = rng.ndim == (1 if typed else 2)
-    draw = (lambda: jax.vmap(lambda key, row: jax.random.categorical(key, row[None], axis=-1)[0])(rng, filtered)) \
-        if per_row else (lambda: jax.random.categorical(rng, filtered, axis=-1))
-    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, lambda: draw().astype(argmax.dtype))
+    # One uniform per row (inverse-CDF sampling), skipped when every row is greedy.
+    uniforms = (lambda: jax.vmap(lambda key: jax.random.uniform(key, (1,))[0])(rng)) if per_row \
+        else (lambda: jax.random.uniform(rng, (logits.shape[0],)))
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax,
+                           lambda: draw_from_weights(weights, uniforms()).astype(argmax.dtype))
     tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
     # log softmax(z)[token] = (z_token - top) - log sum exp(z - top), as jax.nn.log_softmax rounds it.
-    log_total = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1))
+    log_total = jnp.log(jnp.sum(weights, axis=-1))
     return tokens, (jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_total

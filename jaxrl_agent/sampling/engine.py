@@ -75,8 +75,25 @@ class PromptTooLongError(ValueError):
     """A prompt that does not fit the engine; never truncated."""
 
 
+# XLA:CPU options for the decode loop (`generate`), whose products have only as many rows as live
+# slots. Measured on the benchmark shape (8 slots, in one process, alternating calls; RESULTS.md):
+#  * YNNPACK off: XLA's own emitters and Eigen run these thin products faster (the [8, 256] x
+#    [256, 8192] output projection ~110 us against ~330 us), and read the transposed key cache
+#    (`models.KVCache`) in place;
+#  * single-threaded Eigen: handing each ~10-80 us product to a second thread costs more than it
+#    saves at this size;
+#  * min / max without NaN propagation: the row max of the logits vectorises (a NaN-propagating max
+#    ran as scalar code, ~70 us per step). A row holding NaN may then take a non-NaN max, so its
+#    token is some valid id; its log-prob is NaN either way, and the replay buffer rejects it.
+CPU_DECODE_COMPILER_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": "",
+    "xla_cpu_multi_thread_eigen": False,
+    "xla_cpu_enable_fast_min_max": True,
+}
+
+
 class Prefix(flax.struct.PyTreeNode):
-    k: tuple[jax.Array, ...]  # per layer [1, K, P, D]
+    k: tuple[jax.Array, ...]  # per layer [1, K, D, P] (keys) / [1, K, P, D] (values): see models.KVCache
     v: tuple[jax.Array, ...]
     true_length: jax.Array  # [] int32
     first_token: jax.Array  # [] int32
@@ -88,7 +105,7 @@ class Prefix(flax.struct.PyTreeNode):
 
 
 class DecodeState(flax.struct.PyTreeNode):
-    cache: models.KVCache  # per layer [B, K, S, D]
+    cache: models.KVCache  # see models.KVCache (S = max_cache_length)
     next_token: jax.Array  # [B] sampled, not yet emitted
     next_logprob: jax.Array  # [B]
     next_version: jax.Array  # [B]
@@ -212,7 +229,8 @@ class AgentEngine(engine_api.Engine):
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
         self._generate_fn = jax.jit(
             functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
-            donate_argnums=(2,), static_argnames=("rows",))
+            donate_argnums=(2,), static_argnames=("rows",),
+            compiler_options=CPU_DECODE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
         self._prefill_count = 0
 
     # ---------------------------------------------------------------- weights
@@ -509,18 +527,15 @@ def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts,
     """Samples each row's first token from `last` [N, V] (the logits at its prompt's last token) and
     puts the row's cache (length P <= S, copied into the slot's first P positions) and sampling
     state into `slots`; `positions` [N] is where that first token will sit."""
-    n, p = last.shape[0], cache.max_length
+    n = last.shape[0]
     base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
     # One batched call (its filter / greedy branches decided once for all rows), per-row keys.
     token, logprob = decoding.sample_tokens(last, keys, temperature, top_k, top_p)
 
-    def put(caches, rows):  # per layer: cache [B, K, S, D], rows [N, K, P, D] -> slots' first P positions
-        return tuple(c.at[slots, :, :p, :].set(r.astype(c.dtype), mode="drop") for c, r in zip(caches, rows))
-
     at = lambda array, value: array.at[slots].set(value, mode="drop")
     return state.replace(
-        cache=models.KVCache(put(state.cache.k, cache.k), put(state.cache.v, cache.v)),
+        cache=state.cache.put_rows(cache, slots),
         next_token=at(state.next_token, token),
         next_logprob=at(state.next_logprob, logprob),
         next_version=at(state.next_version, jnp.broadcast_to(version, (n,))),
@@ -534,7 +549,7 @@ def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts,
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-    def put(caches, rows):  # per layer: cache [B, K, S, D], rows [1, K, P, D] -> slot's first P positions
+    def put(caches, rows):  # per layer: rows [1, ...] (P <= S positions) -> the slot's first P positions
         return tuple(jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (slot, 0, 0, 0)) for c, r in zip(caches, rows))
 
     cache = models.KVCache(put(state.cache.k, prefix.k), put(state.cache.v, prefix.v))

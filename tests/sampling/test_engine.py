@@ -189,6 +189,39 @@ def test_filters_restrict_the_support():
     assert tokens.tolist() == [1, 0] and np.allclose(lps, 0.0)  # top-1: a point mass
 
 
+def test_inverse_cdf_draws_follow_the_weights_and_never_pick_zero_weight_tokens():
+    """`draw_from_weights` against the distribution it claims (V = 300: chunks of 128 plus padding),
+    with 30% of the tokens at weight 0 (filtered out)."""
+    rng = np.random.RandomState(0)
+    v, n = 300, 40_000
+    logits = (rng.randn(v) * 2).astype(np.float32)
+    logits[rng.rand(v) < 0.3] = -np.inf
+    weights = np.exp(logits - logits[np.isfinite(logits)].max())
+    u = jax.random.uniform(jax.random.PRNGKey(1), (n,))
+    tokens = np.asarray(jax.jit(decoding.draw_from_weights)(jnp.broadcast_to(jnp.asarray(weights), (n, v)), u))
+    freq = np.bincount(tokens, minlength=v) / n
+    p = weights / weights.sum()
+    assert freq[p == 0].sum() == 0
+    z = np.abs(freq - p)[p > 0] / np.sqrt(p * (1 - p) / n)[p > 0]
+    assert z.max() < 5.0, z.max()  # 210 tokens: |z| > 5 has probability ~1e-4 for a correct sampler
+    # The same u draws the same token as a sequential running sum over the whole row.
+    cdf = np.cumsum(p)
+    np.testing.assert_array_equal(tokens[:2000], np.minimum(np.searchsorted(cdf, np.asarray(u[:2000]), "right"), v - 1))
+
+
+def test_inverse_cdf_edges():
+    w = jnp.asarray([[0.0, 1.0, 0.0, 2.0, 0.0]])
+    draw = lambda w, u: int(decoding.draw_from_weights(w, jnp.asarray([u], jnp.float32))[0])
+    assert draw(w, 0.0) == 1 and draw(w, 0.33) == 1 and draw(w, 0.34) == 3
+    assert draw(w, np.nextafter(np.float32(1), np.float32(0))) == 3  # never the zero-weight tail
+    one_hot = np.zeros((1, 1000), np.float32)
+    one_hot[0, 999] = 1.0  # the only positive weight in the last (padded) chunk
+    assert draw(jnp.asarray(one_hot), 0.0) == 999 and draw(jnp.asarray(one_hot), 0.999) == 999
+    boundary = np.zeros((1, 256), np.float32)
+    boundary[0, [127, 128]] = 1.0  # either side of a chunk boundary
+    assert draw(jnp.asarray(boundary), 0.49) == 127 and draw(jnp.asarray(boundary), 0.51) == 128
+
+
 def test_greedy_tokens_are_the_first_maximum_and_nan_rows_give_token_zero():
     rng = np.random.RandomState(0)
     logits = rng.randint(0, 4, (64, 50)).astype(np.float32)  # many ties for the maximum
@@ -206,6 +239,19 @@ def test_greedy_tokens_are_the_first_maximum_and_nan_rows_give_token_zero():
     assert int(token[0]) == 0 and np.isnan(lp[0])  # a valid id; the NaN log-prob is rejected downstream
 
 
+def test_nan_weights_decode_valid_ids_with_nan_logprobs():
+    """The decode program's compiler options (CPU) let a NaN row's max skip the NaN: whatever id it
+    picks must be a real one, and every log-prob must still be NaN for the replay buffer to reject."""
+    nan_params = jax.tree.map(lambda p: p * jnp.nan, PARAMS)
+    with LocalSampler(_engine(params=nan_params)) as sampler:
+        completions = sampler.generate_many([TOKENIZER.encode(p) for p in PROMPTS[:3]],
+                                            SamplingParams(temperature=0.0, max_tokens=5))
+    for completion in completions:
+        assert len(completion.token_ids) == 5
+        assert all(0 <= t < CONFIG.vocab_size for t in completion.token_ids)
+        assert np.isnan(completion.logprobs).all()
+
+
 def test_sampling_params_validation():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
@@ -213,6 +259,11 @@ def test_sampling_params_validation():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="power of two"):
         _engine(max_prefill_length=48)
+
+
+def _by_position(cache):
+    """Every layer's keys and values as [B, K, S, D] numpy arrays (keys are stored [B, K, D, S])."""
+    return [np.swapaxes(np.asarray(k), -1, -2) for k in cache.k] + [np.asarray(v) for v in cache.v]
 
 
 def test_batched_prefill_insert_equals_one_by_one():
@@ -228,10 +279,9 @@ def test_batched_prefill_insert_equals_one_by_one():
     for field in ("next_token", "next_logprob", "position", "active", "temperature", "top_k", "top_p"):
         np.testing.assert_allclose(np.asarray(getattr(batched, field)), np.asarray(getattr(state, field)),
                                    atol=1e-5, err_msg=field)
-    for a, b in zip(batched.cache.k + batched.cache.v, state.cache.k + state.cache.v):
+    for a, b in zip(_by_position(batched.cache), _by_position(state.cache)):
         for prompt, slot in zip(prompts, slots):  # beyond a prompt, slots hold masked padding
-            np.testing.assert_allclose(np.asarray(a)[slot, :, :len(prompt)], np.asarray(b)[slot, :, :len(prompt)],
-                                       atol=1e-5)
+            np.testing.assert_allclose(a[slot, :, :len(prompt)], b[slot, :, :len(prompt)], atol=1e-5)
     assert not bool(batched.active[1])  # untouched slot (and the dropped padding row) stay free
 
 
@@ -255,10 +305,9 @@ def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams
     for field in ("next_token", "next_logprob", "position", "active", "temperature"):
         np.testing.assert_allclose(np.asarray(getattr(batched, field)), np.asarray(getattr(state, field)),
                                    atol=1e-5, err_msg=field)
-    for x, y in zip(batched.cache.k + batched.cache.v, state.cache.k + state.cache.v):
+    for x, y in zip(_by_position(batched.cache), _by_position(state.cache)):
         for prompt, slot in zip(prompts, slots):
-            np.testing.assert_allclose(np.asarray(x)[slot, :, :len(prompt)], np.asarray(y)[slot, :, :len(prompt)],
-                                       atol=1e-5)
+            np.testing.assert_allclose(x[slot, :, :len(prompt)], y[slot, :, :len(prompt)], atol=1e-5)
 
 
 def test_per_row_keys_draw_what_each_row_would_draw_alone():
