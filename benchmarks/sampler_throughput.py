@@ -2,6 +2,8 @@
 
   python benchmarks/sampler_throughput.py [--concurrency 1,8,32] [--new_tokens 64] [--repeats 3]
   python benchmarks/sampler_throughput.py --breakdown --steps_per_call 16   # prefill / decode step alone
+  python benchmarks/sampler_throughput.py --concurrency 8 --skip_server --steps_per_call 16 \
+      --tunix_python /path/to/tunix_venv/bin/python --rounds 5   # against tunix, alternating rounds
 
 Model: Qwen3-style, 2 layers, d=256, 4 heads (2 KV), head_dim 64, MLP 768, vocab 8192, random
 weights, float32. Each run submits `concurrency` requests at once (prompt 16 tokens, `new_tokens`
@@ -132,6 +134,53 @@ def bench_breakdown(config, params, steps, new_tokens, repeats=40):
     return statistics.median(prefill) * 1e3, statistics.median(generate) * 1e3
 
 
+class TunixSampler:
+    """`tunix_sampler_baseline.py --serve` in a subprocess: `rates(n) -> [tokens/s of n batches]`."""
+
+    def __init__(self, python: str, batch: int, new_tokens: int):
+        self.proc = subprocess.Popen([python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"), "--serve",
+                                      "--batch", str(batch), "--new_tokens", str(new_tokens)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read("ready")
+
+    def _read(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.strip()
+        raise RuntimeError(f"tunix baseline exited (code {self.proc.wait()}) before printing {prefix!r}")
+
+    def rates(self, n: int) -> list[float]:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return [float(x) for x in self._read("tunix_tokens_per_s=").split("=", 1)[1].split(",")]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def compare_with_tunix(config, params, python, steps, new_tokens, repeats, rounds):
+    """Batch 8, greedy: `rounds` alternating rounds of `repeats` batches through our 8-slot engine,
+    then `repeats` through tunix's Sampler (a subprocess, idle while ours runs and vice versa)."""
+    tunix = TunixSampler(python, 8, new_tokens)
+    ours_all, tunix_all, ratios = [], [], []
+    try:
+        with LocalSampler(_engine(config, params, 8, steps, new_tokens)) as eight:
+            for _ in range(rounds):
+                ours = [bench_local(eight, 8, new_tokens) for _ in range(repeats)]
+                theirs = tunix.rates(repeats)
+                ours_all += ours
+                tunix_all += theirs
+                ratios.append(statistics.median(ours) / statistics.median(theirs))
+    finally:
+        tunix.close()
+    ours, theirs = statistics.median(ours_all), statistics.median(tunix_all)
+    print(f"\n| batch 8, {new_tokens} new tokens ({rounds} alternating rounds of {repeats}) | tokens/s |\n|---|---|\n"
+          f"| tunix Sampler | {theirs:,.0f} |\n| our engine (8 slots, in-process) | {ours:,.0f} |\n"
+          f"| ratio ours / tunix | {ours / theirs:.2f} |\n")
+    print("per-round ratios: " + ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="1,8,32")
@@ -143,6 +192,8 @@ def main():
                         help="Only time the 8-slot engine's batched prefill and one generate call, then exit.")
     parser.add_argument("--tunix_python", default="",
                         help="A Python with google-tunix: also run tunix's sampler (batch 8) in this session.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="With --tunix_python: alternating rounds of --repeats batches, ours then tunix's.")
     args = parser.parse_args()
     config = models.ModelConfig(**MODEL)
     # The server builds its model from the config's seed (0): the same weights as here.
@@ -172,14 +223,8 @@ def main():
             server[0].kill()
     if args.tunix_python:
         # Same shape, batch 8, greedy: tunix's vanilla sampler vs our engine with 8 slots.
-        out = subprocess.run([args.tunix_python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"),
-                              "--batch", "8", "--new_tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
-                             capture_output=True, text=True, check=True).stdout
-        tunix = float(re.search(r"tunix_tokens_per_s=([\d.]+)", out).group(1))
-        with LocalSampler(_engine(config, params, 8, args.steps_per_call, args.new_tokens)) as eight:
-            ours = statistics.median(bench_local(eight, 8, args.new_tokens) for _ in range(args.repeats))
-        print(f"\n| batch 8, {args.new_tokens} new tokens | tokens/s |\n|---|---|\n| tunix Sampler | {tunix:,.0f} |\n"
-              f"| our engine (8 slots, in-process) | {ours:,.0f} |\n| ratio ours / tunix | {ours / tunix:.2f} |\n")
+        compare_with_tunix(config, params, args.tunix_python, args.steps_per_call, args.new_tokens, args.repeats,
+                           args.rounds)
     print("| concurrency | naive full forward | in-process engine | gRPC server | engine / naive | server / engine |")
     print("|---|---|---|---|---|---|")
     for c, naive, local, remote in rows:

@@ -2,14 +2,17 @@
 
   /path/to/tunix_venv/bin/python benchmarks/tunix_sampler_baseline.py --batch 8 --new_tokens 64
 
-Prints one line `tunix_tokens_per_s=<float>`; `sampler_throughput.py --tunix_python ...` runs it in
-the same session as our engine. Model: tunix's Qwen3 with the same shape as sampler_throughput.py
+Prints one line `tunix_tokens_per_s=<float>`. With `--serve`, compiles, prints `ready`, then for
+each line `N` read from stdin times N batches and prints `tunix_tokens_per_s=<r1,r2,...>`:
+`sampler_throughput.py --tunix_python ...` alternates rounds of its own engine with rounds of these,
+so that both see the same machine state. Model: tunix's Qwen3 with the same shape as sampler_throughput.py
 (2 layers, d=256, 4 heads / 2 KV, head_dim 64, MLP 768, vocab 8192, tied embeddings, float32,
 random weights), greedy decoding, prompts of 16 random ids.
 """
 
 import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -42,6 +45,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve", action="store_true", help="time batches on request (see the docstring)")
     args = parser.parse_args()
     config = qwen3.ModelConfig(num_layers=2, vocab_size=8192, embed_dim=256, hidden_dim=768, num_heads=4,
                                head_dim=64, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
@@ -59,6 +63,12 @@ def main():
         return tokens / (time.perf_counter() - start)
 
     run()  # compile
+    if args.serve:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            rates = [run() for _ in range(int(line))]
+            print("tunix_tokens_per_s=" + ",".join(f"{r:.1f}" for r in rates), flush=True)
+        return
     print(f"tunix_tokens_per_s={statistics.median(run() for _ in range(args.repeats)):.1f}", flush=True)
 
 

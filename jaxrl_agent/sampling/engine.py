@@ -116,7 +116,7 @@ class DecodeState(flax.struct.PyTreeNode):
     top_k: jax.Array  # [B]
     top_p: jax.Array  # [B]
     rng: jax.Array
-    # Prefix cache: per layer [M, K, S, D] keys/values of finished requests' token sequences,
+    # Prefix cache: a models.KVCache of M rows: keys/values of finished requests' token sequences,
     # copied back into a slot when a later prompt continues one (see `extend_insert_many`).
     pool: models.KVCache
 
