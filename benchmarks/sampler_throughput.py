@@ -1,7 +1,7 @@
 """Generated tokens per second: in-process engine, gRPC server, and a naive full-forward loop.
 
   python benchmarks/sampler_throughput.py [--concurrency 1,8,32] [--new_tokens 64] [--repeats 3]
-  python benchmarks/sampler_throughput.py --breakdown --steps_per_call 16   # prefill / decode step alone
+  python benchmarks/sampler_throughput.py --breakdown --steps_per_call 16 [--temperature 1]   # prefill / decode alone
   python benchmarks/sampler_throughput.py --concurrency 8 --skip_server --steps_per_call 16 \
       --tunix_python /path/to/tunix_venv/bin/python --rounds 5   # against tunix, alternating rounds
 
@@ -113,12 +113,12 @@ def start_server(slots, steps, new_tokens):
     return proc, f"127.0.0.1:{port}"
 
 
-def bench_breakdown(config, params, steps, new_tokens, repeats=40):
+def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=40):
     """The engine's two compiled pieces at batch 8, each timed to completion (medians of `repeats`):
-    a batched prefill of 8 prompts into 8 slots, and one `generate` call of `steps` greedy decode
-    steps over 8 live slots. Returns (prefill ms, generate ms)."""
+    a batched prefill of 8 prompts into 8 slots, and one `generate` call of `steps` decode steps
+    over 8 live slots (greedy at temperature 0, else sampled). Returns (prefill ms, generate ms)."""
     engine = _engine(config, params, 8, steps, new_tokens)
-    sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    sampling = SamplingParams(temperature=temperature, max_tokens=new_tokens)
     prompts = [np.asarray(p, np.int32) for p in _prompts(8)]
     prefill, generate = [], []
     for i in range(repeats + 2):  # the first two compile
@@ -190,6 +190,8 @@ def main():
     parser.add_argument("--skip_server", action="store_true")
     parser.add_argument("--breakdown", action="store_true",
                         help="Only time the 8-slot engine's batched prefill and one generate call, then exit.")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="With --breakdown: sampling temperature of the decode steps (0 = greedy).")
     parser.add_argument("--tunix_python", default="",
                         help="A Python with google-tunix: also run tunix's sampler (batch 8) in this session.")
     parser.add_argument("--rounds", type=int, default=1,
@@ -199,8 +201,10 @@ def main():
     # The server builds its model from the config's seed (0): the same weights as here.
     params = models.init_params(config, jax.random.PRNGKey(0))
     if args.breakdown:
-        prefill_ms, generate_ms = bench_breakdown(config, params, args.steps_per_call, args.new_tokens)
-        print(f"batch 8: prefill of 8 x {PROMPT_LEN}-token prompts {prefill_ms:.2f} ms; one {args.steps_per_call}-step "
+        prefill_ms, generate_ms = bench_breakdown(config, params, args.steps_per_call, args.new_tokens,
+                                                  args.temperature)
+        print(f"batch 8, temperature {args.temperature:g}: prefill of 8 x {PROMPT_LEN}-token prompts "
+              f"{prefill_ms:.2f} ms; one {args.steps_per_call}-step "
               f"generate call {generate_ms:.2f} ms = {generate_ms / args.steps_per_call:.3f} ms per decode step")
         return
     levels = [int(c) for c in args.concurrency.split(",")]
