@@ -75,20 +75,23 @@ class PromptTooLongError(ValueError):
     """A prompt that does not fit the engine; never truncated."""
 
 
-# XLA:CPU options for the decode loop (`generate`), whose products have only as many rows as live
-# slots. Measured on the benchmark shape (8 slots, in one process, alternating calls; RESULTS.md):
-#  * YNNPACK off: XLA's own emitters and Eigen run these thin products faster (the [8, 256] x
-#    [256, 8192] output projection ~110 us against ~330 us), and read the transposed key cache
-#    (`models.KVCache`) in place;
-#  * single-threaded Eigen: handing each ~10-80 us product to a second thread costs more than it
-#    saves at this size;
-#  * min / max without NaN propagation: the row max of the logits vectorises (a NaN-propagating max
-#    ran as scalar code, ~70 us per step). A row holding NaN may then take a non-NaN max, so its
-#    token is some valid id; its log-prob is NaN either way, and the replay buffer rejects it.
-CPU_DECODE_COMPILER_OPTIONS = {
+# XLA:CPU options for the decode loop (`generate`). Measured on the benchmark shape (2 layers,
+# d = 256, vocabulary 8192; one process, the variants' calls alternated; benchmarks/RESULTS.md):
+#  * min / max without NaN propagation, at every size: the row max of the logits vectorises (a
+#    NaN-propagating max ran as scalar code, ~70 us of a ~1.3 ms step at 8 rows; 5-6% of the step
+#    at 32 and 64 rows). A row holding NaN may then take a non-NaN max, so its token is some valid
+#    id; its log-prob is NaN either way, and the replay buffer rejects it.
+#  * at most SMALL_DECODE_ROWS rows, also YNNPACK off and single-threaded Eigen: XLA's own emitters
+#    and Eigen run these thin products faster (the [8, 256] x [256, 8192] output projection ~110 us
+#    against ~330 us) and read the transposed key cache (`models.KVCache`) in place, and handing
+#    each ~10-80 us product to a second thread costs more than it saves. From 32 rows up the same
+#    options are 20-30% slower than YNNPACK's threaded products (equal at 16).
+SMALL_DECODE_ROWS = 8
+CPU_DECODE_COMPILER_OPTIONS = {"xla_cpu_enable_fast_min_max": True}
+CPU_SMALL_DECODE_COMPILER_OPTIONS = {
+    **CPU_DECODE_COMPILER_OPTIONS,
     "xla_cpu_experimental_ynn_fusion_type": "",
     "xla_cpu_multi_thread_eigen": False,
-    "xla_cpu_enable_fast_min_max": True,
 }
 
 
@@ -227,10 +230,12 @@ class AgentEngine(engine_api.Engine):
         self._prefill_insert_fn = jax.jit(functools.partial(_prefill_insert_many, config, seed), donate_argnums=(1,))
         self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,))
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
-        self._generate_fn = jax.jit(
-            functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32)),
-            donate_argnums=(2,), static_argnames=("rows",),
-            compiler_options=CPU_DECODE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None)
+        generate = functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32))
+        cpu = jax.default_backend() == "cpu"
+        self._generate_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
+                                    compiler_options=CPU_DECODE_COMPILER_OPTIONS if cpu else None)
+        self._generate_small_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
+                                          compiler_options=CPU_SMALL_DECODE_COMPILER_OPTIONS if cpu else None)
         self._prefill_count = 0
 
     # ---------------------------------------------------------------- weights
@@ -419,8 +424,9 @@ class AgentEngine(engine_api.Engine):
         del params
         with self._lock:
             params, kernel, version = self._params, self._kernel, self._version
-        state, data = self._generate_fn(params, kernel, decode_state, np.int32(version),
-                                        rows=self.decode_rows(live_slots))
+        rows = self.decode_rows(live_slots)
+        generate = self._generate_small_fn if rows <= SMALL_DECODE_ROWS else self._generate_fn
+        state, data = generate(params, kernel, decode_state, np.int32(version), rows=rows)
         k = self.steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                          length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)

@@ -10,6 +10,7 @@ import pytest
 from jaxrl_agent import models, tokenizer as tok
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling import decoding
+from jaxrl_agent.sampling import engine as engine_lib
 from jaxrl_agent.sampling.engine import decode_result_row
 
 TOKENIZER = tok.CharTokenizer()
@@ -108,8 +109,6 @@ def test_weight_update_takes_effect_and_versions_are_recorded():
     state, first = engine.generate(None, state)
     engine.update_weights(params2, 7)
     state, second = engine.generate(None, state)
-    from jaxrl_agent.sampling.engine import decode_result_row
-
     rows = [decode_result_row(np.asarray(r.data), 0, 2) for r in (first, second)]
     tokens = [int(t) for r in rows for t in r["tokens"]]
     versions = [int(v) for r in rows for v in r["versions"]]
@@ -239,12 +238,15 @@ def test_greedy_tokens_are_the_first_maximum_and_nan_rows_give_token_zero():
     assert int(token[0]) == 0 and np.isnan(lp[0])  # a valid id; the NaN log-prob is rejected downstream
 
 
-def test_nan_weights_decode_valid_ids_with_nan_logprobs():
-    """The decode program's compiler options (CPU) let a NaN row's max skip the NaN: whatever id it
+@pytest.mark.parametrize("slots, requests", [(4, 3), (16, 12)])  # the small-batch and the general program
+def test_nan_weights_decode_valid_ids_with_nan_logprobs(slots, requests):
+    """The decode programs' compiler options (CPU) let a NaN row's max skip the NaN: whatever id it
     picks must be a real one, and every log-prob must still be NaN for the replay buffer to reject."""
     nan_params = jax.tree.map(lambda p: p * jnp.nan, PARAMS)
-    with LocalSampler(_engine(params=nan_params)) as sampler:
-        completions = sampler.generate_many([TOKENIZER.encode(p) for p in PROMPTS[:3]],
+    engine = _engine(params=nan_params, max_concurrent_decodes=slots)
+    assert (engine.decode_rows(requests) <= engine_lib.SMALL_DECODE_ROWS) == (slots == 4)
+    with LocalSampler(engine) as sampler:
+        completions = sampler.generate_many([TOKENIZER.encode(PROMPTS[i % len(PROMPTS)]) for i in range(requests)],
                                             SamplingParams(temperature=0.0, max_tokens=5))
     for completion in completions:
         assert len(completion.token_ids) == 5
