@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from served_baseline import ServedBaseline
 
 
 def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target_multiple: int = 16):
@@ -68,32 +68,6 @@ def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target
     return timed
 
 
-class Tunix:
-    """`tunix_learner_baseline.py --serve` in a subprocess: `timed(steps) -> [seconds per step]`."""
-
-    def __init__(self, python: str, batch: int, prompt: int, completion: int):
-        script = __file__.replace("learner_step.py", "tunix_learner_baseline.py")
-        self.proc = subprocess.Popen([python, script, "--serve", "--batch", str(batch), "--prompt", str(prompt),
-                                      "--completion", str(completion)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        self._read("ready")
-
-    def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line.strip()
-        raise RuntimeError(f"tunix baseline exited (code {self.proc.wait()}) before printing {prefix!r}")
-
-    def timed(self, steps: int) -> list[float]:
-        self.proc.stdin.write(f"{steps}\n")
-        self.proc.stdin.flush()
-        return [float(x) for x in self._read("tunix_times=").split("=", 1)[1].split(",")]
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round, per learner")
@@ -108,9 +82,11 @@ def main() -> None:
     args = parser.parse_args()
     learners = [("jaxrl_agent train_step", ours(args.batch, args.prompt, args.completion, args.logits_chunk,
                                                 args.target_multiple))]
-    tunix = Tunix(args.tunix_python, args.batch, args.prompt, args.completion) if args.tunix_python else None
+    tunix = ServedBaseline(args.tunix_python, __file__.replace("learner_step.py", "tunix_learner_baseline.py"),
+                           ["--batch", str(args.batch), "--prompt", str(args.prompt), "--completion", str(args.completion)],
+                           "tunix_times=") if args.tunix_python else None
     if tunix:
-        learners.append(("tunix GRPO update", tunix.timed))
+        learners.append(("tunix GRPO update", tunix.request))
     for _, timed in learners:  # one untimed step each after both have compiled (first-touch costs)
         timed(1)
     times = {name: [] for name, _ in learners}

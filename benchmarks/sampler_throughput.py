@@ -2,6 +2,7 @@
 
   python benchmarks/sampler_throughput.py [--concurrency 1,8,32] [--new_tokens 64] [--repeats 3]
   python benchmarks/sampler_throughput.py --breakdown --steps_per_call 16 [--temperature 1]   # prefill / decode alone
+  python benchmarks/sampler_throughput.py --model 0.5b --dtype bfloat16 --peak_gbs 4800   # an accelerator
   python benchmarks/sampler_throughput.py --concurrency 8 --skip_server --steps_per_call 16 \
       --tunix_python /path/to/tunix_venv/bin/python --rounds 5   # against tunix, alternating rounds
 
@@ -36,9 +37,16 @@ sys.path.insert(0, ROOT)
 
 from jaxrl_agent import models, tokenizer as tok  # noqa: E402
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams  # noqa: E402
+from served_baseline import ServedBaseline  # noqa: E402
 
 MODEL = dict(architecture="qwen3", qk_norm=True, vocab_size=8192, hidden_size=256, intermediate_size=768,
              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
+# `--model 0.5b`: the Qwen2.5-0.5B shape (494M parameters with tied embeddings), random weights — the
+# device run of the issue ("a ~0.5B-parameter random model"), with `--dtype bfloat16 --peak_gbs`.
+MODEL_0_5B = dict(architecture="qwen2", attention_bias=True, vocab_size=151936, hidden_size=896,
+                  intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                  rope_theta=1000000.0, tie_word_embeddings=True)
+MODELS = {"tiny": MODEL, "0.5b": MODEL_0_5B}
 PROMPT_LEN = 16
 
 
@@ -101,8 +109,19 @@ def bench_server(address, concurrency, new_tokens):
     return asyncio.run(run(1))
 
 
-def start_server(slots, steps, new_tokens):
-    overrides = [f"--config.model.{k}={v}" for k, v in MODEL.items()] + [
+def decode_step_floor(config, params, rows: int, cache_length: int, peak_gbs: float) -> float:
+    """Seconds a decode step over `rows` slots cannot beat at `peak_gbs` GB/s of memory bandwidth:
+    it reads every weight once and each decoded slot's whole key/value cache (the engine attends
+    over all `cache_length` positions, masked). With c live requests the generated tokens/s are at
+    most c / this."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_bytes = (rows * config.num_layers * 2 * config.num_kv_heads * config.head_dim * cache_length
+                * np.dtype(config.jnp_dtype).itemsize)
+    return (weight_bytes + kv_bytes) / (peak_gbs * 1e9)
+
+
+def start_server(model, slots, steps, new_tokens):
+    overrides = [f"--config.model.{k}={v}" for k, v in model.items()] + [
         f"--config.sampler.max_concurrent_decodes={slots}", "--config.sampler.max_prefill_length=16",
         f"--config.sampler.max_cache_length={_cache_length(new_tokens)}", f"--config.sampler.steps_per_call={steps}"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "sampler_server.py"), "--config",
@@ -134,41 +153,17 @@ def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=
     return statistics.median(prefill) * 1e3, statistics.median(generate) * 1e3
 
 
-class TunixSampler:
-    """`tunix_sampler_baseline.py --serve` in a subprocess: `rates(n) -> [tokens/s of n batches]`."""
-
-    def __init__(self, python: str, batch: int, new_tokens: int):
-        self.proc = subprocess.Popen([python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"), "--serve",
-                                      "--batch", str(batch), "--new_tokens", str(new_tokens)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read("ready")
-
-    def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line.strip()
-        raise RuntimeError(f"tunix baseline exited (code {self.proc.wait()}) before printing {prefix!r}")
-
-    def rates(self, n: int) -> list[float]:
-        self.proc.stdin.write(f"{n}\n")
-        self.proc.stdin.flush()
-        return [float(x) for x in self._read("tunix_tokens_per_s=").split("=", 1)[1].split(",")]
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
 def compare_with_tunix(config, params, python, steps, new_tokens, repeats, rounds):
     """Batch 8, greedy: `rounds` alternating rounds of `repeats` batches through our 8-slot engine,
     then `repeats` through tunix's Sampler (a subprocess, idle while ours runs and vice versa)."""
-    tunix = TunixSampler(python, 8, new_tokens)
+    tunix = ServedBaseline(python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"),
+                           ["--batch", "8", "--new_tokens", str(new_tokens)], "tunix_tokens_per_s=")
     ours_all, tunix_all, ratios = [], [], []
     try:
         with LocalSampler(_engine(config, params, 8, steps, new_tokens)) as eight:
             for _ in range(rounds):
                 ours = [bench_local(eight, 8, new_tokens) for _ in range(repeats)]
-                theirs = tunix.rates(repeats)
+                theirs = tunix.request(repeats)
                 ours_all += ours
                 tunix_all += theirs
                 ratios.append(statistics.median(ours) / statistics.median(theirs))
@@ -196,8 +191,16 @@ def main():
                         help="A Python with google-tunix: also run tunix's sampler (batch 8) in this session.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="With --tunix_python: alternating rounds of --repeats batches, ours then tunix's.")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny: the CPU benchmark shape; 0.5b: Qwen2.5-0.5B's shape (for an accelerator).")
+    parser.add_argument("--dtype", default="float32", help="Parameter and activation dtype (e.g. bfloat16).")
+    parser.add_argument("--peak_gbs", type=float, default=0.0,
+                        help="Memory bandwidth in GB/s: also print the in-process engine against the decode roofline.")
     args = parser.parse_args()
-    config = models.ModelConfig(**MODEL)
+    if args.tunix_python and (args.model != "tiny" or args.dtype != "float32"):
+        parser.error("--tunix_python compares the tiny float32 shape only (tunix_sampler_baseline.py builds that one)")
+    model = dict(MODELS[args.model], param_dtype=args.dtype, dtype=args.dtype)
+    config = models.ModelConfig(**model)
     # The server builds its model from the config's seed (0): the same weights as here.
     params = models.init_params(config, jax.random.PRNGKey(0))
     if args.breakdown:
@@ -211,7 +214,7 @@ def main():
     slots = max(levels)
     rows = []
     sampler = LocalSampler(_engine(config, params, slots, args.steps_per_call, args.new_tokens))
-    server = None if args.skip_server else start_server(slots, args.steps_per_call, args.new_tokens)
+    server = None if args.skip_server else start_server(model, slots, args.steps_per_call, args.new_tokens)
     try:
         for c in levels:
             naive = statistics.median(bench_naive(config, params, c, args.new_tokens) for _ in range(args.repeats))
@@ -233,6 +236,13 @@ def main():
     print("|---|---|---|---|---|---|")
     for c, naive, local, remote in rows:
         print(f"| {c} | {naive:,.0f} | {local:,.0f} | {remote:,.0f} | {local / naive:.2f} | {remote / local:.2f} |")
+    if args.peak_gbs:
+        engine = _engine(config, params, slots, args.steps_per_call, args.new_tokens)
+        print(f"\n| concurrency | decoded slots | roofline at {args.peak_gbs:g} GB/s | in-process engine | fraction |")
+        print("|---|---|---|---|---|")
+        for c, _, local, _ in rows:
+            bound = c / decode_step_floor(config, params, engine.decode_rows(c), engine.max_cache_length, args.peak_gbs)
+            print(f"| {c} | {engine.decode_rows(c)} | {bound:,.0f} | {local:,.0f} | {local / bound:.2f} |")
 
 
 if __name__ == "__main__":

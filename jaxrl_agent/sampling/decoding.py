@@ -43,7 +43,7 @@ _CHUNK = 128  # tokens per chunk of the two-level running sum in `draw_from_weig
 
 
 def _last_positive(weights: jax.Array) -> jax.Array:
-    """The last index b, v with weights[b, v] > 0 per row (0 when none), int32."""
+    """Per row b, the last index v with weights[b, v] > 0 (0 when there is none): [B] int32."""
     idx = jnp.arange(weights.shape[-1], dtype=jnp.int32)
     return jnp.maximum(jnp.max(jnp.where(weights > 0, idx, -1), axis=-1), 0)
 
