@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import threading
 from typing import Any, Sequence
@@ -93,6 +94,31 @@ CPU_SMALL_DECODE_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "",
     "xla_cpu_multi_thread_eigen": False,
 }
+
+
+@functools.cache
+def _accepted_options(options: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """The subset of XLA compiler `options` this jaxlib knows (each tried once on a trivial program):
+    an older XLA without, say, the YNNPACK flag then decodes with its defaults instead of failing
+    to compile (setup.py allows jax >= 0.6)."""
+    accepted = {}
+    for name, value in options:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(np.float32(0)).compile()
+        except Exception as err:  # noqa: BLE001 - an unknown option or value: leave it out
+            logging.getLogger(__name__).warning("XLA option %s=%r not accepted here (%s); decoding without it",
+                                                name, value, str(err).splitlines()[0] if str(err) else err)
+        else:
+            accepted[name] = value
+    return accepted
+
+
+def cpu_compiler_options(options: dict[str, Any]) -> dict[str, Any] | None:
+    """`options` as `jax.jit(compiler_options=)` for the engine's decode loop: on CPU, those this
+    XLA accepts; elsewhere None (they are XLA:CPU options)."""
+    if jax.default_backend() != "cpu":
+        return None
+    return _accepted_options(tuple(sorted(options.items()))) or None
 
 
 class Prefix(flax.struct.PyTreeNode):
@@ -231,11 +257,10 @@ class AgentEngine(engine_api.Engine):
         self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,))
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
         generate = functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32))
-        cpu = jax.default_backend() == "cpu"
         self._generate_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
-                                    compiler_options=CPU_DECODE_COMPILER_OPTIONS if cpu else None)
+                                    compiler_options=cpu_compiler_options(CPU_DECODE_COMPILER_OPTIONS))
         self._generate_small_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
-                                          compiler_options=CPU_SMALL_DECODE_COMPILER_OPTIONS if cpu else None)
+                                          compiler_options=cpu_compiler_options(CPU_SMALL_DECODE_COMPILER_OPTIONS))
         self._prefill_count = 0
 
     # ---------------------------------------------------------------- weights

@@ -254,6 +254,15 @@ def test_nan_weights_decode_valid_ids_with_nan_logprobs(slots, requests):
         assert np.isnan(completion.logprobs).all()
 
 
+def test_decode_compiler_options_this_xla_does_not_know_are_left_out(caplog):
+    known = engine_lib.cpu_compiler_options(engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS)
+    assert known == engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS  # this jaxlib knows all of them
+    mixed = {"xla_cpu_enable_fast_min_max": True, "xla_cpu_no_such_option_for_this_test": True}
+    assert engine_lib.cpu_compiler_options(mixed) == {"xla_cpu_enable_fast_min_max": True}
+    assert "xla_cpu_no_such_option_for_this_test" in caplog.text
+    assert engine_lib.cpu_compiler_options({"xla_cpu_no_such_option_for_this_test": 1}) is None
+
+
 def test_sampling_params_validation():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
