@@ -2,6 +2,7 @@
 
   python benchmarks/sampler_throughput.py [--concurrency 1,8,32] [--new_tokens 64] [--repeats 3]
   python benchmarks/sampler_throughput.py --breakdown --steps_per_call 16 [--temperature 1]   # prefill / decode alone
+  python benchmarks/sampler_throughput.py --compare_options --concurrency 8,16,32,64 --steps_per_call 16
   python benchmarks/sampler_throughput.py --model 0.5b --dtype bfloat16 --peak_gbs 4800   # an accelerator
   python benchmarks/sampler_throughput.py --concurrency 8 --skip_server --steps_per_call 16 \
       --tunix_python /path/to/tunix_venv/bin/python --rounds 5   # against tunix, alternating rounds
@@ -79,9 +80,10 @@ def _cache_length(new_tokens):
     return PROMPT_LEN + new_tokens + 16  # as tunix_sampler_baseline.py sizes its cache
 
 
-def _engine(config, params, slots, steps, new_tokens):
+def _engine(config, params, slots, steps, new_tokens, decode_compiler_options=None):
     return AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
-                       max_cache_length=_cache_length(new_tokens), steps_per_call=steps, stop_token_ids=[-1])
+                       max_cache_length=_cache_length(new_tokens), steps_per_call=steps, stop_token_ids=[-1],
+                       decode_compiler_options=decode_compiler_options)
 
 
 def bench_local(sampler, concurrency, new_tokens):
@@ -176,6 +178,34 @@ def compare_with_tunix(config, params, python, steps, new_tokens, repeats, round
     print("per-round ratios: " + ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})\n")
 
 
+def compare_decode_options(config, params, slots: int, steps: int, new_tokens: int, rounds: int = 30):
+    """Decode step time (ms) at `slots` slots, all decoded, under XLA's default CPU options, fast
+    min/max alone, and the small-batch set (see `engine.CPU_SMALL_DECODE_COMPILER_OPTIONS`): one
+    engine per variant in this process, `rounds` rounds of 3 calls each, variants alternated."""
+    from jaxrl_agent.sampling import engine as engine_lib
+
+    variants = {"XLA defaults": {}, "fast min/max": engine_lib.CPU_DECODE_COMPILER_OPTIONS,
+                "small-batch set": engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS}
+    running = {}
+    for name, options in variants.items():
+        engine = _engine(config, params, slots, steps, new_tokens, decode_compiler_options=options)
+        state = engine.init_decode_state()
+        state = state.replace(active=jnp.ones_like(state.active))  # every slot decodes (greedy, no stop)
+        for _ in range(3):
+            state, result = engine.generate(None, state)
+            np.asarray(result.data)
+        running[name] = [engine, state]
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, entry in running.items():
+            start = time.perf_counter()
+            for _ in range(3):
+                entry[1], result = entry[0].generate(None, entry[1])
+                np.asarray(result.data)
+            times[name].append((time.perf_counter() - start) / (3 * steps) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="1,8,32")
@@ -191,6 +221,9 @@ def main():
                         help="A Python with google-tunix: also run tunix's sampler (batch 8) in this session.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="With --tunix_python: alternating rounds of --repeats batches, ours then tunix's.")
+    parser.add_argument("--compare_options", action="store_true",
+                        help="Only time the decode step under each set of XLA:CPU options, at each --concurrency "
+                             "as the slot count (all decoded), variants alternated; then exit.")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
                         help="tiny: the CPU benchmark shape; 0.5b: Qwen2.5-0.5B's shape (for an accelerator).")
     parser.add_argument("--dtype", default="float32", help="Parameter and activation dtype (e.g. bfloat16).")
@@ -203,6 +236,14 @@ def main():
     config = models.ModelConfig(**model)
     # The server builds its model from the config's seed (0): the same weights as here.
     params = models.init_params(config, jax.random.PRNGKey(0))
+    if args.compare_options:
+        print("| slots (all decoded) | XLA defaults | fast min/max | small-batch set |\n|---|---|---|---|")
+        for slots in (int(c) for c in args.concurrency.split(",")):
+            ms = compare_decode_options(config, params, slots, args.steps_per_call, args.new_tokens)
+            base = ms["XLA defaults"]
+            print(f"| {slots} | {base:.3f} ms | " + " | ".join(
+                f"{ms[k]:.3f} ({ms[k] / base:.2f})" for k in ("fast min/max", "small-batch set")) + " |", flush=True)
+        return
     if args.breakdown:
         prefill_ms, generate_ms = bench_breakdown(config, params, args.steps_per_call, args.new_tokens,
                                                   args.temperature)

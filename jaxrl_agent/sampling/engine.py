@@ -213,12 +213,16 @@ class AgentEngine(engine_api.Engine):
       version: policy version of `params`.
       prefix_cache_entries: M, finished sequences whose keys/values are kept (in the decode
         state) so that a prompt continuing one prefills only its new tokens; 0 = off.
+      decode_compiler_options: XLA:CPU options of the decode loop for every row count (`{}` = XLA's
+        defaults); None = the measured choice per row count (`CPU_DECODE_COMPILER_OPTIONS`,
+        `CPU_SMALL_DECODE_COMPILER_OPTIONS`). Ignored off CPU.
     """
 
     def __init__(self, config: models.ModelConfig, params, tokenizer, *, max_concurrent_decodes: int = 8,
                  max_prefill_length: int = 256, max_cache_length: int | None = None, steps_per_call: int = 4,
                  stop_token_ids: Sequence[int] | None = None, version: int = 0, seed: int = 0,
-                 mesh: jax.sharding.Mesh | None = None, prefix_cache_entries: int = 0):
+                 mesh: jax.sharding.Mesh | None = None, prefix_cache_entries: int = 0,
+                 decode_compiler_options: dict[str, Any] | None = None):
         if max_prefill_length < MIN_PREFILL_BUCKET or max_prefill_length & (max_prefill_length - 1):
             raise ValueError(f"max_prefill_length must be a power of two >= {MIN_PREFILL_BUCKET}, got {max_prefill_length}")
         self.config = config
@@ -257,10 +261,12 @@ class AgentEngine(engine_api.Engine):
         self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,))
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
         generate = functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32))
+        options, small_options = ((CPU_DECODE_COMPILER_OPTIONS, CPU_SMALL_DECODE_COMPILER_OPTIONS)
+                                  if decode_compiler_options is None else (decode_compiler_options,) * 2)
         self._generate_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
-                                    compiler_options=cpu_compiler_options(CPU_DECODE_COMPILER_OPTIONS))
+                                    compiler_options=cpu_compiler_options(options))
         self._generate_small_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
-                                          compiler_options=cpu_compiler_options(CPU_SMALL_DECODE_COMPILER_OPTIONS))
+                                          compiler_options=cpu_compiler_options(small_options))
         self._prefill_count = 0
 
     # ---------------------------------------------------------------- weights

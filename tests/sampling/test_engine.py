@@ -263,6 +263,19 @@ def test_decode_compiler_options_this_xla_does_not_know_are_left_out(caplog):
     assert engine_lib.cpu_compiler_options({"xla_cpu_no_such_option_for_this_test": 1}) is None
 
 
+def test_decode_compiler_options_change_speed_not_tokens():
+    prompts = [TOKENIZER.encode(p) for p in PROMPTS[:3]]
+    sampling = SamplingParams(temperature=0.0, max_tokens=6)
+    runs = []
+    for options in (None, {}, engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS):
+        with LocalSampler(_engine(decode_compiler_options=options)) as sampler:
+            runs.append(sampler.generate_many(prompts, sampling))
+    for completions in runs[1:]:
+        for got, want in zip(completions, runs[0]):
+            assert got.token_ids == want.token_ids
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
 def test_sampling_params_validation():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
