@@ -85,9 +85,11 @@ class PromptTooLongError(ValueError):
 #  * at most SMALL_DECODE_ROWS rows, also YNNPACK off and single-threaded Eigen: XLA's own emitters
 #    and Eigen run these thin products faster (the [8, 256] x [256, 8192] output projection ~110 us
 #    against ~330 us) and read the transposed key cache (`models.KVCache`) in place, and handing
-#    each ~10-80 us product to a second thread costs more than it saves. From 32 rows up the same
-#    options are 20-30% slower than YNNPACK's threaded products (equal at 16).
-SMALL_DECODE_ROWS = 8
+#    each ~10-80 us product to a second thread costs more than it saves: 0.87-0.98 of the default
+#    step at 8 rows, 0.93-0.99 at 16 (by the machine's state). From 32 rows up the same options are
+#    ~20-30% slower than YNNPACK's threaded products.
+#  `python benchmarks/sampler_throughput.py --compare_options` measures all three sets.
+SMALL_DECODE_ROWS = 16
 CPU_DECODE_COMPILER_OPTIONS = {"xla_cpu_enable_fast_min_max": True}
 CPU_SMALL_DECODE_COMPILER_OPTIONS = {
     **CPU_DECODE_COMPILER_OPTIONS,
