@@ -588,13 +588,9 @@ def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts,
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-    def put(caches, rows):  # per layer: rows [1, ...] (P <= S positions) -> the slot's first P positions
-        return tuple(jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (slot, 0, 0, 0)) for c, r in zip(caches, rows))
-
-    cache = models.KVCache(put(state.cache.k, prefix.k), put(state.cache.v, prefix.v))
     at = lambda array, value: array.at[slot].set(value)
     return state.replace(
-        cache=cache,
+        cache=state.cache.put_rows(models.KVCache(prefix.k, prefix.v), slot[None]),
         next_token=at(state.next_token, prefix.first_token),
         next_logprob=at(state.next_logprob, prefix.first_logprob),
         next_version=at(state.next_version, prefix.version),
