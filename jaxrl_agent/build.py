@@ -33,9 +33,9 @@ def build_model(config, mesh: jax.sharding.Mesh | None = None) -> tuple[models.M
     if path:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"config.checkpoint.hf_path={path!r} is not a folder")
-        return models.load_hf(
-            path, dtype=config.checkpoint.param_dtype, compute_dtype=config.checkpoint.compute_dtype, mesh=mesh
-        )
+        model_config, host_params = models.load_hf(
+            path, dtype=config.checkpoint.param_dtype, compute_dtype=config.checkpoint.compute_dtype)
+        return model_config, sharding.place_params(host_params, mesh)
     model_config = models.ModelConfig.from_config_dict(config.model)
     init = jax.jit(models.init_params, static_argnums=0)
     if mesh is not None:

@@ -107,6 +107,14 @@ def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
     )
 
 
+def place_params(params, mesh: Mesh | None, rules=PARAM_RULES):
+    """Host (or device) parameters placed on `mesh` with the shardings the rules assign; with no
+    mesh, on the default device."""
+    if mesh is None:
+        return jax.tree.map(jax.numpy.asarray, params)
+    return jax.tree.map(jax.device_put, params, param_shardings(params, mesh, rules))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis over ('data', 'fsdp'); the other axes replicated (any rank)."""
     return NamedSharding(mesh, P(BATCH_AXES))

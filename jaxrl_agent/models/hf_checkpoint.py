@@ -4,8 +4,9 @@
 `transformers` (`model.safetensors`, or shards listed in `model.safetensors.index.json`) and
 converts torch's `[out, in]` Linear weights into our stacked `[L, in, heads, head_dim]` layout.
 Every tensor is checked against the shape the config implies; a missing tensor, a wrong shape, an
-unexpected tensor or an unsupported architecture raises an error naming it. With `mesh` given,
-each parameter is placed straight into its `NamedSharding` (see `jaxrl_agent.sharding`).
+unexpected tensor or an unsupported architecture raises an error naming it. Parameters come back
+as host (numpy) arrays: placing them on devices is the build step's job
+(`jaxrl_agent.sharding.place_params`), so `models/` never imports the learner's layers.
 
 `save_hf(path, config, params)` writes the same format back; load(save(p)) == p exactly.
 """
@@ -198,7 +199,6 @@ def load_hf(
     dtype: str = "float32",
     *,
     compute_dtype: str | None = None,
-    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Loads a Hugging Face Llama / Qwen2 / Qwen3 folder.
 
@@ -206,10 +206,9 @@ def load_hf(
       path: folder with `config.json` and `model.safetensors` (or a sharded index).
       dtype: parameter dtype name ('float32', 'bfloat16', 'float16').
       compute_dtype: activation dtype; defaults to `dtype`.
-      mesh: if given, each parameter is placed with the sharding `jaxrl_agent.sharding` assigns it.
 
     Returns:
-      (config, params) with params in the layout of `jaxrl_agent.models.init_params`.
+      (config, params): params are numpy arrays in the layout of `jaxrl_agent.models.init_params`.
 
     Raises:
       UnsupportedArchitectureError, CheckpointError (names the tensor and both shapes).
@@ -250,12 +249,7 @@ def load_hf(
             f"checkpoint {path} has tensors this {config.architecture} model has no place for: "
             f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
-    if mesh is None:
-        return config, jax.tree.map(jax.numpy.asarray, params)
-    from jaxrl_agent import sharding  # local: models/ must not depend on the learner layers
-
-    shardings = sharding.param_shardings(params, mesh)
-    return config, jax.tree.map(jax.device_put, params, shardings)
+    return config, params
 
 
 def save_hf(path: str, config: ModelConfig, params, *, max_shard_bytes: int | None = None) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import re
 
-from jaxrl_agent.sampling.engine import SamplingParams
+from jaxrl_agent.sampling.types import SamplingParams
 
 DEFAULT_RUBRIC = (
     "1. The final answer is correct.",

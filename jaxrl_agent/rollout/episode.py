@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.replay.trajectory import Trajectory
-from jaxrl_agent.sampling.engine import PromptTooLongError, SamplingParams
+from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
 from jaxrl_agent.tokenizer import Tokenizer, TurnTemplate
 
 

@@ -24,8 +24,7 @@ import numpy as np
 
 import grpc
 
-from jaxrl_agent.sampling.engine import PromptTooLongError, SamplingParams
-from jaxrl_agent.sampling.local import Completion
+from jaxrl_agent.sampling.types import Completion, PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling.server import GRPC_OPTIONS, SERVICE, encode_weights
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,

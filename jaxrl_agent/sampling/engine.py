@@ -34,6 +34,7 @@ import numpy as np
 from jaxrl_agent import models
 from jaxrl_agent.sampling import decoding
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
+from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams  # noqa: F401 - re-exported
 
 engine_api, _, _, _, token_utils = import_jetstream()
 
@@ -43,37 +44,6 @@ MIN_BATCHED_PREFILL_BUCKET = 32
 MIN_PREFILL_BUCKET = 16
 # `generate` decodes the first R slots only, R = B/8 or B/4 of the B slots, at least this.
 MIN_DECODE_ROWS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_tokens: int = 64
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d) -> "SamplingParams":
-        return cls(**dict(d))
-
-
-class PromptTooLongError(ValueError):
-    """A prompt that does not fit the engine; never truncated."""
 
 
 # XLA:CPU options for the decode loop (`generate`). Measured on the benchmark shape (2 layers,

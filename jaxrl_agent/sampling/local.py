@@ -17,47 +17,13 @@ import heapq
 import logging
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from jaxrl_agent.sampling.engine import AgentEngine, PromptTooLongError, SamplingParams, decode_result_row
+from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row
+from jaxrl_agent.sampling.types import FINISH_REASONS, Completion, PromptTooLongError, Sampler, SamplingParams  # noqa: F401 - re-exported
 from jaxrl_agent.sampling.prefix_cache import PrefixIndex
-
-FINISH_REASONS = ("stop", "length", "context_limit")
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """What the sampler produced for one request, token by token.
-
-    token_ids: the generated ids (a final stop token included); logprobs: log q of each under the
-    distribution it was sampled from; versions: the policy version that sampled each;
-    finish_reason: 'stop' (stop token), 'length' (max_tokens) or 'context_limit' (cache full).
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    versions: tuple[int, ...]
-    finish_reason: str
-
-    def to_dict(self) -> dict:
-        return {"token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
-                "versions": list(self.versions), "finish_reason": self.finish_reason}
-
-    @classmethod
-    def from_dict(cls, d) -> "Completion":
-        return cls(tuple(int(t) for t in d["token_ids"]), tuple(float(x) for x in d["logprobs"]),
-                   tuple(int(v) for v in d["versions"]), d["finish_reason"])
-
-
-class Sampler(Protocol):
-    """What rollouts need from a sampler, local or remote."""
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion: ...
-
-    def update_weights(self, params, version: int): ...
-
 
 class CompletionBuilder:
     """Accumulates one request's tokens from engine result rows and decides when it is finished."""

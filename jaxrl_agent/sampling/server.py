@@ -29,7 +29,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from jaxrl_agent.sampling.engine import AgentEngine, PromptTooLongError, SamplingParams, decode_result_row
+from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row
+from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
 from jaxrl_agent.sampling.local import CompletionBuilder, admit_requests, check_prompt, prefix_reusable, save_prefixes
 from jaxrl_agent.sampling.prefix_cache import PrefixIndex

@@ -102,7 +102,8 @@ def test_load_places_parameters_on_mesh(tmp_path):
     hf_model = ref.make_hf_model("llama")
     hf_model.save_pretrained(tmp_path)
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    config, params = models.load_hf(str(tmp_path), mesh=mesh)
+    config, params = models.load_hf(str(tmp_path))
+    params = sharding.place_params(params, mesh)
     q = params["layers"]["attn"]["q_proj"]["kernel"]  # [L, H=32, N=4, D=8]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert q.addressable_shards[0].data.shape == (2, 16, 2, 8)
