@@ -17,14 +17,17 @@ from jaxrl_agent.losses.objective import (
     POLICY_LOSSES,
     TIS,
     CustomTerm,
+    Decoupled,
     EntropyTerm,
     IcePop,
     KLTerm,
     LossInputs,
+    Objective,
     ObjectiveSpec,
     PolicyTerm,
     default_objective_spec,
     make_objective,
+    objective_from_loss,
 )
 from jaxrl_agent.losses.policy import (
     cispo_loss,
@@ -39,9 +42,9 @@ from jaxrl_agent.losses.reductions import masked_sequence_mean, masked_sequence_
 from jaxrl_agent.losses.regularizers import entropy_from_logits, kl_penalty
 
 __all__ = [
-    "CustomTerm", "EntropyTerm", "IcePop", "KLTerm", "LossInputs", "ObjectiveSpec", "POLICY_LOSSES",
+    "CustomTerm", "Decoupled", "EntropyTerm", "IcePop", "KLTerm", "LossInputs", "Objective", "ObjectiveSpec", "POLICY_LOSSES",
     "PolicyTerm", "TIS", "cispo_loss", "decoupled_ppo_loss", "default_objective_spec", "drift_metrics",
-    "entropy_from_logits", "group_advantages", "gspo_loss", "icepop_mask", "kl_penalty", "make_objective",
+    "entropy_from_logits", "group_advantages", "gspo_loss", "icepop_mask", "kl_penalty", "make_objective", "objective_from_loss",
     "masked_sequence_mean", "masked_sequence_sum_norm", "masked_token_mean", "mirror_descent_loss",
     "ploo_advantages", "ppo_clip_loss", "reinforce_baseline_advantages", "reinforce_loss", "rloo_advantages",
     "token_clip_keep_mask", "truncated_importance_weights", "turn_reward_to_go", "turn_values_to_tokens",

@@ -11,8 +11,14 @@ An objective is a sum of terms with coefficients, after corrections that re-weig
 
 `batch` is a `LossInputs` (or any mapping with the same keys). Corrections compare the learner's
 log-probs with the sampler's: TIS multiplies policy terms by capped importance weights, IcePop drops
-tokens from them. KL and entropy terms use the batch's original mask. A researcher's own term is any
-callable `(logprobs, batch, mask, weights) -> (scalar, metrics)` wrapped in `CustomTerm`.
+tokens from them, Decoupled weights them by pi_prox / pi_sampler (with `old_logprobs` = the proximal
+policy). KL and entropy terms use the batch's original mask. A researcher's own term is any
+callable `(logprobs, batch, mask, weights) -> (scalar, metrics)` wrapped in `CustomTerm`; a whole
+pure loss with the DESIGN.md signature becomes an objective through `objective_from_loss`.
+
+`make_objective` returns an `Objective`: the pure function plus what the learner must compute for
+it — reference log-probs (a KL term: a second, frozen forward pass) and proximal log-probs (the
+decoupled correction: the iteration's starting parameters, recomputed before its first update).
 """
 
 from __future__ import annotations
@@ -195,6 +201,8 @@ class CustomTerm:
 
 
 # ------------------------------------------------------------------------------------ corrections
+# A correction is called as correction(logprobs, sampler_logprobs, mask, weights, old_logprobs=...)
+# and returns (weights, mask, metrics) for the policy terms.
 @dataclasses.dataclass(frozen=True)
 class TIS:
     """Truncated importance weights min(pi_learner / pi_sampler, cap) on the policy terms."""
@@ -202,7 +210,8 @@ class TIS:
     cap: float = 2.0
     level: str = "token"
 
-    def __call__(self, logprobs, sampler_logprobs, mask, weights):
+    def __call__(self, logprobs, sampler_logprobs, mask, weights, old_logprobs=None):
+        del old_logprobs
         w, metrics = corrections_lib.truncated_importance_weights(
             logprobs, sampler_logprobs, mask, cap=self.cap, level=self.level
         )
@@ -217,7 +226,8 @@ class IcePop:
     high: float = 2.0
     level: str = "token"
 
-    def __call__(self, logprobs, sampler_logprobs, mask, weights):
+    def __call__(self, logprobs, sampler_logprobs, mask, weights, old_logprobs=None):
+        del old_logprobs
         keep, metrics = corrections_lib.icepop_mask(
             logprobs, sampler_logprobs, mask, low=self.low, high=self.high, level=self.level
         )
@@ -225,9 +235,55 @@ class IcePop:
 
 
 @dataclasses.dataclass(frozen=True)
+class Decoupled:
+    """Decoupled-PPO behaviour weights on the policy terms, their trust region around pi_prox.
+
+      w_t = sg(min(pi_prox(y_t) / pi_sampler(y_t), cap))
+
+    where pi_prox is `batch.old_logprobs` — the learner's log-probs under the iteration's starting
+    parameters, which the learner recomputes when an objective has this correction — so every
+    policy term's ratio is taken against pi_prox while w corrects for the (possibly stale, possibly
+    mismatched) sampling policy. With a PPO term this is exactly `policy.decoupled_ppo_loss`
+    (Hilton et al. 2022, "Batch size-invariance for policy optimization"; Fu et al. 2025, "AReaL",
+    eq. 5). cap None = uncapped.
+    """
+
+    cap: float | None = 2.0
+
+    def __call__(self, logprobs, sampler_logprobs, mask, weights, old_logprobs=None):
+        del logprobs
+        if old_logprobs is None:
+            raise ValueError("the decoupled correction needs batch.old_logprobs (proximal log-probs)")
+        m = as_float_mask(mask)
+        w = jnp.exp(jnp.clip(old_logprobs - sampler_logprobs, -20.0, 20.0)) * m
+        if self.cap is not None:
+            w = jnp.minimum(w, self.cap)
+        w = jax.lax.stop_gradient(w)
+        metrics = {"decoupled/behaviour_weight_mean": masked_mean(w, mask),
+                   "decoupled/behaviour_weight_max": jnp.max(jnp.where(m > 0, w, 0.0))}
+        return weights * w, mask, metrics
+
+
+@dataclasses.dataclass(frozen=True)
 class ObjectiveSpec:
     terms: tuple[Term, ...]
     corrections: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """`objective(logprobs [B, T], batch) -> (scalar loss, metrics)`, pure, plus what the learner
+    must compute for it: `needs_reference` — `batch.ref_logprobs` from the frozen reference policy
+    (a second forward pass, skipped otherwise); `needs_proximal` — `batch.old_logprobs` recomputed
+    with the iteration's starting parameters (otherwise they are the sampler's)."""
+
+    fn: Callable[[jax.Array, Any], tuple[jax.Array, Metrics]]
+    needs_reference: bool = False
+    needs_proximal: bool = False
+    name: str = "objective"
+
+    def __call__(self, logprobs: jax.Array, batch) -> tuple[jax.Array, Metrics]:
+        return self.fn(logprobs, batch)
 
 
 def default_objective_spec() -> ObjectiveSpec:
@@ -240,8 +296,9 @@ def default_objective_spec() -> ObjectiveSpec:
     )
 
 
-def make_objective(spec: ObjectiveSpec | Sequence[Term]) -> Callable[[jax.Array, Any], tuple[jax.Array, Metrics]]:
-    """Returns the pure `objective(logprobs [B, T], batch) -> (scalar loss, metrics)`.
+def make_objective(spec: ObjectiveSpec | Sequence[Term], *, name: str = "objective") -> Objective:
+    """Returns the pure `objective(logprobs [B, T], batch) -> (scalar loss, metrics)` as an `Objective`
+    (it needs reference log-probs when a term is a `KLTerm`, proximal ones with a `Decoupled` correction).
 
     Metrics always include 'loss', 'masked_token_share' (generated tokens that corrections removed
     from the policy terms), 'token_weight_mean|max', and the drift metrics of
@@ -262,7 +319,7 @@ def make_objective(spec: ObjectiveSpec | Sequence[Term]) -> Callable[[jax.Array,
         policy_mask = mask
         metrics: Metrics = {}
         for correction in spec.corrections:
-            weights, policy_mask, extra = correction(logprobs, sampler, policy_mask, weights)
+            weights, policy_mask, extra = correction(logprobs, sampler, policy_mask, weights, old_logprobs=old)
             metrics.update(extra)
         total = jnp.zeros((), jnp.float32)
         for term in spec.terms:
@@ -276,4 +333,30 @@ def make_objective(spec: ObjectiveSpec | Sequence[Term]) -> Callable[[jax.Array,
         metrics.update(corrections_lib.drift_metrics(logprobs, old, sampler, mask))
         return total, metrics
 
-    return objective
+    return Objective(objective, needs_reference=any(isinstance(t, KLTerm) for t in spec.terms),
+                     needs_proximal=any(isinstance(c, Decoupled) for c in spec.corrections), name=name)
+
+
+def objective_from_loss(loss_fn: Callable[..., tuple[jax.Array, Metrics]], cfg: Any = None, *,
+                        needs_reference: bool = False, name: str = "custom") -> Objective:
+    """An `Objective` from a pure loss with DESIGN.md's signature:
+
+      loss_fn(logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg) -> (loss, metrics)
+
+    all arrays [B, T] (ref_logprobs None unless `needs_reference`), `cfg` passed through as given.
+    The objective's metrics add 'loss' and the drift metrics (learner vs sampler log-probs).
+    """
+
+    def objective(logprobs, batch):
+        mask = as_float_mask(_field(batch, "mask"))
+        sampler = _optional(batch, "sampler_logprobs")
+        old = _field(batch, "old_logprobs")
+        sampler = old if sampler is None else sampler
+        loss, metrics = loss_fn(logprobs, sampler, _optional(batch, "ref_logprobs"), _field(batch, "advantages"),
+                                mask, cfg)
+        metrics = {f"{name}/{k}": v for k, v in dict(metrics).items()}
+        metrics["loss"] = loss
+        metrics.update(corrections_lib.drift_metrics(logprobs, old, sampler, mask))
+        return loss, metrics
+
+    return Objective(objective, needs_reference=needs_reference, name=name)

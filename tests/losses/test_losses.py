@@ -392,3 +392,37 @@ def test_remaining_helpers_match_numpy():
     assert float(metrics["drift/token_count"]) == sel.sum()
     keep, km = L.token_clip_keep_mask(lp, old, np.ones(3, np.float32), m, eps_low=0.1, eps_high=0.1, delta=0.02)
     np.testing.assert_array_equal(keep, ref.keep(lp, old, np.ones(3), m, 0.1, 0.1, 0.02))
+
+
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_decoupled_correction_with_a_ppo_term_is_decoupled_ppo(cap):
+    lp, old, sampler, mask, adv = _inputs((4, 9), 7, per_token_adv=True)
+    objective = L.make_objective(L.ObjectiveSpec(
+        terms=(L.PolicyTerm("ppo_clip", eps_low=0.2, eps_high=0.28),), corrections=(L.Decoupled(cap=cap),)))
+    assert objective.needs_proximal and not objective.needs_reference
+    batch = L.LossInputs(mask=mask, advantages=adv, old_logprobs=old, sampler_logprobs=sampler)
+    loss, metrics = objective(lp, batch)
+    values, _ = L.decoupled_ppo_loss(lp, old, sampler, adv, mask, eps_low=0.2, eps_high=0.28,
+                                     behaviour_weight_cap=cap)
+    np.testing.assert_allclose(loss, L.masked_token_mean(values, mask), rtol=1e-6)
+    # The behaviour weight is a constant: the gradient is w times the PPO gradient, nothing from w.
+    grad = jax.grad(lambda x: objective(x, batch)[0])(lp)
+    ref_grad = jax.grad(lambda x: L.masked_token_mean(L.decoupled_ppo_loss(
+        x, old, sampler, adv, mask, eps_low=0.2, eps_high=0.28, behaviour_weight_cap=cap)[0], mask))(lp)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert float(metrics["decoupled/behaviour_weight_max"]) <= (cap or np.inf)
+
+
+def test_objective_from_a_pure_loss_passes_the_design_signature():
+    lp, old, sampler, mask, adv = _inputs((3, 5), 3, per_token_adv=True)
+    seen = {}
+
+    def my_loss(logprobs, sampler_logprobs, ref_logprobs, advantages, mask_, cfg):
+        seen.update(cfg=cfg, ref=ref_logprobs)
+        return L.masked_token_mean(-advantages * logprobs, mask_) * cfg["scale"], {"extra": jnp.sum(mask_)}
+
+    objective = L.objective_from_loss(my_loss, {"scale": 2.0}, name="mine")
+    loss, metrics = objective(lp, L.LossInputs(mask=mask, advantages=adv, old_logprobs=old, sampler_logprobs=sampler))
+    np.testing.assert_allclose(loss, 2.0 * L.masked_token_mean(-adv * lp, mask), rtol=1e-6)
+    assert float(metrics["mine/extra"]) == mask.sum() and "drift/sampler_abs_diff_mean" in metrics
+    assert seen["cfg"] == {"scale": 2.0} and seen["ref"] is None and not objective.needs_reference
