@@ -80,6 +80,22 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.env = ml_collections.ConfigDict()
     config.env.name = "calculator"  # Environment (see jaxrl_agent.envs.registered()).
+    # Modules imported before any environment is made — in the trainer, in every env worker and
+    # (pass them as --import) in launch/env_server.py: where your own `envs.register(...)` calls live.
+    config.env.imports = ""  # Comma-separated module names ('' = none).
+    config.env.kwargs = ""  # JSON object of keyword arguments for the environment's factory ('' = none).
+    # Several environments in one run: 'name:weight,...' (e.g. 'calculator:0.5,kb_search:0.5'),
+    # each task's environment drawn with these weights; '' = env.name alone. Success, entropy,
+    # signal share and evaluation are reported per environment.
+    config.env.mixture = ""
+    # Where environments run: 'inprocess' (threads of this process, with a step watchdog), 'pool'
+    # (worker processes: step timeouts and crash isolation) or 'host:port[,host:port...]' (remote
+    # launch/env_server.py servers, load-balanced by episode, failing over to the others).
+    config.env.service = "inprocess"
+    # A step that takes longer ends its episode as finish_reason 'env_timeout' (the run goes on).
+    config.env.step_timeout_s = 30.0
+    config.env.pool_workers = 2  # service='pool': worker processes.
+    config.env.worker_memory_mb = 4096  # service='pool': address-space limit per worker.
     config.env.train_difficulties = "1,2,3"  # Levels RL samples tasks from (comma-separated).
     # Levels evaluated on held-out seeds: the RL levels (add 4, never trained nor demonstrated, as a
     # generalisation probe: it stays at 0 for this model; eval/success averages the RL levels only).
@@ -97,7 +113,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.max_context = 128  # Longest episode in tokens (<= learner.row_length); then context_limit.
     config.rollout.max_turns = 4  # Assistant turns per episode.
     config.rollout.include_system_prompt = False  # Prepend the tool description (long for a char model).
-    config.rollout.normalize_std = False  # Divide advantages by the group std (GRPO) or not (Dr. GRPO).
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"
@@ -133,6 +148,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.reward.overlong_factor = 0.0
     config.reward.overlong_buffer = 32  # Tokens before the limit where the penalty ramps in.
     config.reward.toggle_period = 0  # Kimi Toggle: penalty only every other `period` iterations (0 = always).
+    # The reward as 'name:weight,...' over named components: the environment's (calculator:
+    # correctness, format, efficiency) and the library's (overlong, turns = -(turns - 1), wall_time =
+    # -sampling seconds, custom = reward.fn's value). '' = the environment's own reward (+ overlong).
+    config.reward.weights = ""
+    # Your reward function, 'package.module:name': fn(trajectory) -> float (component 'custom'; it
+    # replaces the reward when reward.weights is '') or {name: value} (more named components).
+    # A function that raises scores 0 and is counted as reward/reward_fn_error. '' = none.
+    config.reward.fn = ""
 
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).
@@ -160,9 +183,44 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.row_multiple = 16  # RL minibatch rows are padded to a multiple of this (few compiled shapes).
     config.rl.learning_rate = 2e-4  # AdamW peak learning rate (6e-4 collapsed in the notes).
     config.rl.warmup_steps = 4  # Warm-up updates.
-    config.rl.tau = 0.05  # Mirror-descent regulariser strength (Kimi k1.5), token level.
-    config.rl.clip_eps = 0.2  # Token-level clipping: ratios outside [1 - eps, 1 + eps] leave the PG term.
-    config.rl.tis_cap = 2.0  # Truncated importance weight cap for learner/sampler mismatch.
+    # The objective (docs/losses.md has each formula and paper): 'mirror_descent' (Kimi k1.5; the
+    # default), 'ppo' (GRPO-style clipped surrogate, clip-higher and dual clip), 'gspo' (sequence
+    # ratio), 'cispo' (MiniMax-M1: clipped IS weight on REINFORCE) or 'reinforce'.
+    config.rl.objective = "mirror_descent"
+    config.rl.level = "token"  # mirror_descent: 'token' or 'sequence' level.
+    config.rl.tau = 0.05  # Mirror-descent regulariser strength (Kimi k1.5); also PLOO's baseline temperature.
+    # Clipping of mirror_descent (token level), ppo and cispo: ratios outside [1 - low, 1 + high]
+    # leave the policy-gradient term (cispo: bound its weight; low >= 1 = no lower bound).
+    config.rl.clip_eps_low = 0.2
+    config.rl.clip_eps_high = 0.2  # > clip_eps_low is DAPO's clip-higher.
+    config.rl.dual_clip = 0.0  # ppo: dual clip c > 1 for negative advantages (Ye et al. 2020); 0 = off.
+    config.rl.gspo_eps_low = 3e-4  # gspo: bounds on the length-normalised sequence ratio (Zheng et al. 2025).
+    config.rl.gspo_eps_high = 4e-4
+    # Advantages within a group: 'grpo' ((r - mean) / std), 'dr_grpo' (r - mean; divided by the std
+    # was slightly worse in background/learning-notes.md), 'rloo' (leave-one-out mean) or 'ploo'
+    # (Kimi k1.5's leave-one-out soft baseline at temperature rl.tau).
+    config.rl.advantage = "dr_grpo"
+    # Learner/sampler mismatch: 'none', 'tis' (truncated IS weights, cap rl.tis_cap), 'icepop'
+    # (drop tokens whose ratio leaves [icepop_low, icepop_high]) or 'decoupled' (decoupled PPO: the
+    # trust region around the iteration's starting policy, recomputed by the learner, and weights
+    # pi_prox / pi_sampler capped at rl.tis_cap).
+    config.rl.correction = "tis"
+    config.rl.tis_cap = 2.0  # Truncated importance weight cap (tis, decoupled).
+    config.rl.icepop_low = 0.5  # icepop: kept ratio range.
+    config.rl.icepop_high = 2.0
+    config.rl.entropy_coef = 0.0  # Entropy bonus coefficient (> 0 rewards exploration).
+    # KL to a frozen reference policy: coef * KL estimate ('k1', 'k2' or 'k3'; Schulman 2020). The
+    # reference's log-probs cost a second forward pass, made only when kl_coef > 0.
+    config.rl.kl_coef = 0.0
+    config.rl.kl_estimator = "k3"
+    # The reference: 'initial' (the weights RL starts from), 'sft' (the weights after SFT: the
+    # same here, since RL starts after SFT) or a Hugging Face model folder.
+    config.rl.reference = "initial"
+    # Your own objective instead of the named one: 'package.module:name' naming an Objective
+    # (losses.make_objective), a function of the rl section (a dict) returning one, or a pure loss
+    # with DESIGN.md's signature (logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg)
+    # (cfg = the rl section as a dict; ref_logprobs only when kl_coef > 0). '' = rl.objective.
+    config.rl.objective_fn = ""
 
     config.learner = ml_collections.ConfigDict()
     config.learner.row_length = 128  # Tokens per packed learner row (expert episodes are 55-80 tokens).

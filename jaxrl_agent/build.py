@@ -160,3 +160,341 @@ class SamplerServers:
                 process.wait(timeout=10)
             except Exception:  # noqa: BLE001 - a stuck server is killed
                 process.kill()
+
+
+# ------------------------------------------------------------------------------ config -> parts
+OBJECTIVES = ("mirror_descent", "ppo", "gspo", "cispo", "reinforce")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "ploo")
+CORRECTIONS = ("none", "tis", "icepop", "decoupled")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ENV_SERVICES = ("inprocess", "pool")  # or 'host:port[,host:port...]'
+
+
+class ConfigError(ValueError):
+    """A config value the run cannot use; the message names the key, the value and what was expected."""
+
+
+def import_object(spec: str, key: str):
+    """`package.module:name` -> the object (`key` names the config field in errors)."""
+    import importlib
+
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ConfigError(f"{key}={spec!r}: expected 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any import failure is a config error naming the key
+        raise ConfigError(f"{key}={spec!r}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no {name!r}") from None
+
+
+def split_list(value) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c'] (a list or tuple is taken as it is)."""
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value if str(v).strip()]
+    return [part.strip() for part in str(value or "").split(",") if part.strip()]
+
+
+def import_env_modules(config) -> list[str]:
+    """Imports `env.imports` (where user environments register themselves); returns the names."""
+    import importlib
+
+    modules = split_list(config.env.imports)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError(f"env.imports: cannot import {module!r}: {type(err).__name__}: {err}") from None
+    return modules
+
+
+def env_kwargs(config) -> dict:
+    """`env.kwargs` (a JSON object) as a dict."""
+    import json
+
+    text = config.env.kwargs or ""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"env.kwargs={text!r}: not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"env.kwargs={text!r}: expected a JSON object of keyword arguments")
+    return value
+
+
+def env_mixture(config) -> dict[str, float]:
+    """{environment: sampling weight}, normalised: `env.mixture`, or {env.name: 1}."""
+    text = config.env.mixture or ""
+    if not text.strip():
+        return {config.env.name: 1.0}
+    weights: dict[str, float] = {}
+    for part in split_list(text):
+        name, sep, weight = part.partition(":")
+        try:
+            value = float(weight) if sep else 1.0
+        except ValueError:
+            raise ConfigError(f"env.mixture={text!r}: weight {weight!r} of {name!r} is not a number") from None
+        if value <= 0 or name.strip() in weights:
+            raise ConfigError(f"env.mixture={text!r}: expected distinct 'name:weight' entries with weights > 0")
+        weights[name.strip()] = value
+    total = sum(weights.values())
+    return {name: w / total for name, w in weights.items()}
+
+
+def reward_weights(config) -> dict[str, float]:
+    """`reward.weights` ('name:weight,...') as a dict ({} = the environment's own reward)."""
+    weights: dict[str, float] = {}
+    for part in split_list(config.reward.weights):
+        name, sep, weight = part.partition(":")
+        try:
+            weights[name.strip()] = float(weight)
+        except ValueError:
+            raise ConfigError(f"reward.weights={config.reward.weights!r}: expected 'name:weight,...' with "
+                              f"numeric weights (got {part!r})") from None
+        if not sep or not name.strip():
+            raise ConfigError(f"reward.weights={config.reward.weights!r}: expected 'name:weight,...' (got {part!r})")
+    return weights
+
+
+def build_reward_shaping(config, reward_fn=None):
+    """`reward.*` as a `rollout.RewardShaping` (reward_fn, when given, wins over `reward.fn`)."""
+    from jaxrl_agent import rollout
+
+    c = config.reward
+    if reward_fn is None and c.fn:
+        reward_fn = import_object(c.fn, "reward.fn")
+    return rollout.RewardShaping(weights=reward_weights(config), overlong_factor=c.overlong_factor,
+                                 overlong_buffer=c.overlong_buffer, max_context=config.rollout.max_context,
+                                 toggle_period=c.toggle_period, reward_fn=reward_fn)
+
+
+def env_service_addresses(config) -> list[tuple[str, int]]:
+    """The remote env servers of `env.service='host:port,...'` ([] for 'inprocess' and 'pool')."""
+    service = config.env.service
+    if service in ENV_SERVICES:
+        return []
+    addresses = []
+    for part in split_list(service):
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"env.service={service!r}: expected one of {ENV_SERVICES} or "
+                              "'host:port[,host:port...]'")
+        addresses.append((host, int(port)))
+    if not addresses:
+        raise ConfigError(f"env.service={service!r}: expected one of {ENV_SERVICES} or 'host:port[,...]'")
+    return addresses
+
+
+def validate_config(config) -> None:
+    """Checks every choice of the config before anything is built; raises ConfigError naming the
+    key, the value and what was expected. Imports `env.imports` (user environments register there)
+    and resolves `rl.objective_fn`, but builds no model."""
+    from jaxrl_agent import envs
+
+    def need(ok: bool, message: str):
+        if not ok:
+            raise ConfigError(message)
+
+    def one_of(key: str, value, options):
+        need(value in options, f"{key}={value!r}: expected one of {options}")
+
+    r, rl, learner_c = config.rollout, config.rl, config.learner
+    need(r.max_context <= learner_c.row_length,
+         f"rollout.max_context={r.max_context} exceeds learner.row_length={learner_c.row_length}: "
+         "episodes that long could never be trained on")
+    need(learner_c.logits_chunk >= 0, f"learner.logits_chunk={learner_c.logits_chunk}: expected >= 0 (0 = whole rows)")
+    need(learner_c.target_multiple >= 0, f"learner.target_multiple={learner_c.target_multiple}: expected >= 0 "
+         "(0 = logits at every position)")
+    for name in ("eval.every", "checkpoint.every", "sft.eval_every", "sft.log_every"):
+        section, field = name.split(".")
+        need(config[section][field] >= 0, f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
+    need(config.sampler.pipeline_depth >= 1, f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected "
+         ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
+    need(rl.time_budget_minutes >= 0, f"rl.time_budget_minutes={rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
+    need(r.group_size >= 1 and r.prompts_per_iteration >= 1,
+         f"rollout.group_size={r.group_size}, rollout.prompts_per_iteration={r.prompts_per_iteration}: expected >= 1")
+    a = config.allocation
+    if a.task_pool <= 0:
+        need(a.strategy == "uniform", f"allocation.strategy={a.strategy!r} needs a revisited task pool: set "
+             f"allocation.task_pool > 0 (got {a.task_pool})")
+    need(not (a.strategy == "until_mixed" and (r.schedule != "sync" or r.token_budget > 0)),
+         "allocation.strategy='until_mixed' samples in rounds within an iteration: it needs rollout.schedule='sync' "
+         f"and rollout.token_budget=0 (got {r.schedule!r}, {r.token_budget})")
+    # The objective.
+    one_of("rl.advantage", rl.advantage, ADVANTAGES)
+    if rl.advantage == "rloo" or rl.advantage == "ploo":
+        need(r.group_size >= 2, f"rl.advantage={rl.advantage!r} needs rollout.group_size >= 2 (got {r.group_size})")
+    if rl.objective_fn:
+        import_object(rl.objective_fn, "rl.objective_fn")
+    else:
+        one_of("rl.objective", rl.objective, OBJECTIVES)
+    one_of("rl.level", rl.level, ("token", "sequence"))
+    one_of("rl.correction", rl.correction, CORRECTIONS)
+    one_of("rl.kl_estimator", rl.kl_estimator, KL_ESTIMATORS)
+    need(rl.kl_coef >= 0 and rl.entropy_coef >= 0,
+         f"rl.kl_coef={rl.kl_coef}, rl.entropy_coef={rl.entropy_coef}: expected >= 0")
+    need(rl.tau > 0, f"rl.tau={rl.tau}: expected > 0")
+    need(rl.dual_clip == 0 or rl.dual_clip > 1, f"rl.dual_clip={rl.dual_clip}: expected 0 (off) or > 1")
+    if rl.reference not in ("initial", "sft"):
+        need(os.path.isdir(rl.reference), f"rl.reference={rl.reference!r}: expected 'initial', 'sft' or a "
+             "Hugging Face model folder")
+    # Environments.
+    import_env_modules(config)
+    env_kwargs(config)
+    mixture = env_mixture(config)
+    for name in mixture:
+        need(name in envs.registered(), f"env.{'mixture' if config.env.mixture else 'name'}: environment "
+             f"{name!r} is not registered (registered: {envs.registered()}; add its module to env.imports)")
+    env_service_addresses(config)
+    reward_weights(config)
+    if config.reward.fn:
+        need(callable(import_object(config.reward.fn, "reward.fn")), f"reward.fn={config.reward.fn!r}: not a function")
+    need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
+    need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
+    if config.sft.steps > 0:
+        for name in mixture:
+            try:
+                envs.expert_policy(name)
+            except ValueError:
+                raise ConfigError(f"sft.steps={config.sft.steps}: environment {name!r} has no scripted expert; "
+                                  "set sft.steps=0") from None
+
+
+def build_advantage_fn(config):
+    """`rl.advantage` as a function rewards [G, N] -> advantages [G, N]."""
+    from jaxrl_agent import losses
+
+    name, tau = config.rl.advantage, config.rl.tau
+    return {"grpo": lambda r: losses.group_advantages(r, normalize_std=True),
+            "dr_grpo": lambda r: losses.group_advantages(r, normalize_std=False),
+            "rloo": losses.rloo_advantages,
+            "ploo": lambda r: losses.ploo_advantages(r, tau=tau)}[name]
+
+
+def build_objective(config):
+    """The RL objective the config names: `rl.objective_fn`, or `rl.objective` with its correction,
+    entropy bonus and reference KL. Returns a `losses.Objective`."""
+    from jaxrl_agent import losses
+
+    rl = config.rl
+    if rl.objective_fn:
+        found = import_object(rl.objective_fn, "rl.objective_fn")
+        return _as_objective(found, rl)
+    if rl.objective == "mirror_descent":
+        policy = losses.PolicyTerm("mirror_descent", tau=rl.tau, level=rl.level,
+                                   **({"clip_eps_low": rl.clip_eps_low, "clip_eps_high": rl.clip_eps_high}
+                                      if rl.level == "token" else {}),
+                                   reduction="token_mean" if rl.level == "token" else "sequence_mean")
+    elif rl.objective == "ppo":
+        policy = losses.PolicyTerm("ppo_clip", eps_low=rl.clip_eps_low, eps_high=rl.clip_eps_high,
+                                   dual_clip=rl.dual_clip or None)
+    elif rl.objective == "gspo":
+        policy = losses.PolicyTerm("gspo", eps_low=rl.gspo_eps_low, eps_high=rl.gspo_eps_high,
+                                   reduction="sequence_mean")
+    elif rl.objective == "cispo":
+        policy = losses.PolicyTerm("cispo", eps_low=rl.clip_eps_low, eps_high=rl.clip_eps_high)
+    else:
+        policy = losses.PolicyTerm("reinforce")
+    terms = [policy]
+    if rl.kl_coef > 0:
+        terms.append(losses.KLTerm(rl.kl_estimator, coef=rl.kl_coef))
+    if rl.entropy_coef > 0:
+        terms.append(losses.EntropyTerm(coef=rl.entropy_coef))
+    corrections = {"none": (), "tis": (losses.TIS(cap=rl.tis_cap),),
+                   "icepop": (losses.IcePop(low=rl.icepop_low, high=rl.icepop_high),),
+                   "decoupled": (losses.Decoupled(cap=rl.tis_cap),)}[rl.correction]
+    return losses.make_objective(losses.ObjectiveSpec(terms=tuple(terms), corrections=corrections),
+                                 name=rl.objective)
+
+
+def _as_objective(found, rl):
+    """An Objective, a factory of one (called with the rl section as a dict), or a pure loss with
+    DESIGN.md's six-argument signature."""
+    import inspect
+
+    from jaxrl_agent import losses
+
+    if isinstance(found, losses.Objective):
+        return found
+    if not callable(found):
+        raise ConfigError(f"rl.objective_fn={rl.objective_fn!r}: {type(found).__name__} is neither an "
+                          "Objective nor a function")
+    try:
+        required = [p for p in inspect.signature(found).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        required = []
+    if len(required) == 6:
+        return losses.objective_from_loss(found, rl.to_dict(), needs_reference=rl.kl_coef > 0,
+                                          name=getattr(found, "__name__", "custom"))
+    made = found(rl.to_dict()) if len(required) == 1 else found()
+    if not isinstance(made, losses.Objective):
+        raise ConfigError(f"rl.objective_fn={rl.objective_fn!r} returned {type(made).__name__}, expected a "
+                          "losses.Objective (build one with losses.make_objective)")
+    return made
+
+
+class Environments:
+    """The run's environments (`env.*`): one instance of each for generating tasks, and
+    `make_env(task)` — the episode's environment on the configured service: in-process threads
+    with a watchdog, a pool of worker processes, or remote env servers."""
+
+    def __init__(self, config):
+        import concurrent.futures
+
+        from jaxrl_agent import envs
+
+        self.imports = import_env_modules(config)
+        self.kwargs = env_kwargs(config)
+        self.weights = env_mixture(config)
+        self.environments = {name: envs.make(name, **self.kwargs) for name in self.weights}
+        self.step_timeout_s = float(config.env.step_timeout_s)
+        self.tool_latency = (config.env.tool_latency_s, config.env.tool_latency_alpha)
+        self.service_name = config.env.service
+        self.service = None
+        self._threads = None
+        if config.env.service == "inprocess":
+            # Environment steps run on these threads (a slow tool must not stall the event loop).
+            self._threads = concurrent.futures.ThreadPoolExecutor(config.env.step_threads, "env-step")
+        elif config.env.service == "pool":
+            from jaxrl_agent.envs.pool import EnvPool
+
+            self.service = EnvPool(config.env.pool_workers, step_timeout_s=self.step_timeout_s,
+                                   worker_memory_mb=config.env.worker_memory_mb or None, imports=self.imports)
+        else:
+            from jaxrl_agent.envs.remote import RemoteEnvServices
+
+            self.service = RemoteEnvServices(env_service_addresses(config), timeout_s=max(120.0, self.step_timeout_s))
+
+    def make_env(self, task):
+        from jaxrl_agent import envs, rollout
+
+        if self.service is not None:
+            return rollout.ServiceEnv(self.service, task.env, self.kwargs)
+        env = envs.make(task.env, **self.kwargs)
+        if self.tool_latency[0] > 0:
+            from jaxrl_agent.envs.testing import ToolLatency
+
+            env = ToolLatency(env, self.tool_latency[0], alpha=self.tool_latency[1])
+        return rollout.InProcessEnv(env, executor=self._threads, step_timeout_s=self.step_timeout_s)
+
+    def stats(self) -> dict[str, float]:
+        """The service's failure counters (worker restarts, timeouts, crashes), when it has them."""
+        if self.service is None:
+            return {}
+        try:
+            stats = dict(self.service.stats)
+        except Exception:  # noqa: BLE001 - metrics must not stop the run (a server may be down)
+            return {}
+        return {f"env_service/{k}": float(v) for k, v in stats.items()}
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.service is not None:
+            self.service.close()

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from jaxrl_agent import config_lib, plot, trainer
+from jaxrl_agent import build, checkpoint, config_lib, plot, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -240,13 +240,13 @@ def test_time_budget_ends_rl_at_an_iteration_boundary_with_a_checkpoint_and_an_e
     (end,) = [r for r in records if r["stage"] == "rl_end"]
     assert end["reason"] == "time_budget" and end["iterations"] == 1 and end["elapsed_seconds"] > 0
     # The run's wall time so far is checkpointed: a resumed run keeps counting from it.
-    meta = trainer.Checkpointer(str(tmp_path / "checkpoints"), 2).latest_meta()
-    assert meta["iteration"] == 1 and 0 < meta["elapsed_seconds"] <= end["elapsed_seconds"]
+    meta = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), 2).latest()
+    assert meta.iteration == 1 and 0 < meta.elapsed_seconds <= end["elapsed_seconds"]
     config.resume = True
     config.rl.time_budget_minutes = 0.0
-    resumed = trainer.Trainer(config, str(tmp_path), quiet=True)
+    resumed = trainer.build_run(config, str(tmp_path), quiet=True)
     try:
-        assert resumed.elapsed_seconds() >= meta["elapsed_seconds"]
+        assert resumed.elapsed_seconds() >= meta.elapsed_seconds
     finally:
         resumed.close()
 
@@ -255,14 +255,14 @@ def test_a_negative_time_budget_is_rejected(tmp_path):
     config = tiny_config(tmp_path)
     config.rl.time_budget_minutes = -1.0
     with pytest.raises(ValueError, match="time_budget_minutes=-1.0"):
-        trainer.Trainer(config, str(tmp_path), quiet=True)
+        build.validate_config(config)
 
 
 def test_a_server_pipeline_depth_below_one_is_rejected(tmp_path):
     config = tiny_config(tmp_path)
     config.sampler.pipeline_depth = 0
     with pytest.raises(ValueError, match="sampler.pipeline_depth=0: expected >= 1"):
-        trainer.Trainer(config, str(tmp_path), quiet=True)
+        build.validate_config(config)
 
 
 @pytest.mark.parametrize("name", ["eval.every", "checkpoint.every", "sft.log_every", "sft.eval_every"])
@@ -271,7 +271,7 @@ def test_a_negative_period_is_rejected(tmp_path, name):
     section, field = name.split(".")
     config[section][field] = -2
     with pytest.raises(ValueError, match=rf"{name}=-2: expected >= 0"):
-        trainer.Trainer(config, str(tmp_path), quiet=True)
+        build.validate_config(config)
 
 
 def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
@@ -296,14 +296,14 @@ def test_adaptive_allocation_over_a_task_pool_and_dapo_over_sampling(tmp_path):
         assert "allocation/retired_tasks" in record
         share = 0.8 * share + 0.2 * record["nonzero_advantage_group_share"]
     # The allocator's posteriors are checkpointed: a resumed run continues with them.
-    meta = trainer.Checkpointer(str(tmp_path / "checkpoints"), 2).latest_meta()
-    posterior = meta["allocator"]["posterior"]
+    meta = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), 2).latest()
+    posterior = meta.source["allocator"]["posterior"]
     assert set(posterior["alpha"]) <= {f"calculator/{d}/{i}" for i in range(5) for d in (1, 2, 3)}
     assert sum(posterior["alpha"].values()) + sum(posterior["beta"].values()) > 0
 
     config.allocation.task_pool = 0
     with pytest.raises(ValueError, match="allocation.strategy='knapsack' needs a revisited task pool"):
-        trainer.Trainer(config, str(tmp_path / "other"), quiet=True)
+        build.validate_config(config)
 
 
 def test_until_mixed_sampling_spends_the_iteration_budget_in_rounds(tmp_path):
@@ -330,4 +330,4 @@ def test_until_mixed_sampling_spends_the_iteration_budget_in_rounds(tmp_path):
 
     config.rollout.schedule = "async"
     with pytest.raises(ValueError, match="until_mixed.*needs rollout.schedule='sync'"):
-        trainer.Trainer(config, str(tmp_path / "other"), quiet=True)
+        build.validate_config(config)

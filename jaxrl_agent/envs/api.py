@@ -26,8 +26,9 @@ from jaxrl_agent.envs.tool_protocol import ToolSpec
 # Seeds from here on are held out: evaluation and the `test` split use them, training never does.
 HELD_OUT_SEED_OFFSET = 1_000_000
 
-# Why an episode ended. The environment sets the first three; the env service sets the last two.
-FINISH_REASONS = ("answer", "max_turns", "env_error", "env_timeout", "env_crash")
+# Why an episode ended. The environment sets the first three; the env service (or the in-process
+# watchdog) the next two; 'env_reset_error' is an episode whose reset failed (nothing sampled).
+FINISH_REASONS = ("answer", "max_turns", "env_error", "env_timeout", "env_crash", "env_reset_error")
 
 
 @dataclasses.dataclass(frozen=True)

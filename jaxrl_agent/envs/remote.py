@@ -146,3 +146,66 @@ class RemoteEnvPool:
             except queue.Empty:
                 return
             sock.close()
+
+
+class RemoteEnvServices:
+    """Several env servers as one `EnvService`: each new episode goes to the next server in turn
+    (load-balanced by episode); a server that cannot start it is skipped for the next one (failover),
+    and the reset fails only when every server did. An episode stays on its server: if that server
+    dies, the episode's next step raises `EnvServiceError` (the rollout records it as 'env_crash')."""
+
+    def __init__(self, addresses, *, timeout_s: float = 120.0):
+        addresses = [tuple(a) for a in addresses]
+        if not addresses:
+            raise ValueError("RemoteEnvServices needs at least one (host, port)")
+        self.servers = [RemoteEnvPool(host, int(port), timeout_s=timeout_s) for host, port in addresses]
+        self._next = 0
+        self._lock = threading.Lock()
+        self.failovers = 0
+
+    def _route(self, episode_id: str) -> tuple[RemoteEnvPool, str]:
+        index, sep, inner = episode_id.partition(":")
+        if not sep or not index.isdigit() or int(index) >= len(self.servers):
+            raise EnvServiceError(f"episode id {episode_id!r} names no server of this service")
+        return self.servers[int(index)], inner
+
+    def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
+              ) -> tuple[str, api.Observation]:
+        with self._lock:
+            first = self._next
+            self._next = (self._next + 1) % len(self.servers)
+        errors = []
+        for k in range(len(self.servers)):
+            index = (first + k) % len(self.servers)
+            try:
+                episode_id, observation = self.servers[index].reset(env, task, seed, env_kwargs)
+                return f"{index}:{episode_id}", observation
+            except EnvServiceError as err:
+                errors.append(f"{self.servers[index].address}: {err}")
+                with self._lock:
+                    self.failovers += 1
+        raise EnvServiceError(f"no env server could start {task.id!r}: {errors}")
+
+    @property
+    def stats(self) -> dict:
+        """The servers' pool counters summed over the servers that answer, plus failovers."""
+        total: dict = {"failovers": self.failovers}
+        for server in self.servers:
+            try:
+                for key, value in server.stats.items():
+                    total[key] = total.get(key, 0) + value
+            except EnvServiceError:
+                total["unreachable_servers"] = total.get("unreachable_servers", 0) + 1
+        return total
+
+    def step(self, episode_id: str, action: str) -> api.Step:
+        server, inner = self._route(episode_id)
+        return server.step(inner, action)
+
+    def close_episode(self, episode_id: str) -> None:
+        server, inner = self._route(episode_id)
+        server.close_episode(inner)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()

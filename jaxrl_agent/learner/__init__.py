@@ -10,6 +10,7 @@ from jaxrl_agent.learner.step import (
     sequence_logprobs,
     state_shardings,
 )
+from jaxrl_agent.learner.updates import make_proximal_logprobs, rl_update, row_multiple_for
 
 __all__ = ["PackedBatch", "TrainState", "init_state", "jit_train_step", "make_optimizer", "make_train_step",
-           "sequence_logprobs", "state_shardings"]
+           "make_proximal_logprobs", "rl_update", "row_multiple_for", "sequence_logprobs", "state_shardings"]

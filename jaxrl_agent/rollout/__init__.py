@@ -1,4 +1,4 @@
-"""Episodes as coroutines, rollout collection and group advantages."""
+"""Episodes as coroutines, scheduling, the task source, and pure post-processing of finished groups."""
 
 from jaxrl_agent.rollout.episode import (
     EpisodeSettings,
@@ -9,8 +9,12 @@ from jaxrl_agent.rollout.episode import (
 )
 from jaxrl_agent.rollout import allocation
 from jaxrl_agent.rollout.allocation import TaskAllocator
-from jaxrl_agent.rollout.manager import assign_advantages, collect_groups
-from jaxrl_agent.rollout.scheduler import RolloutRunner, Schedule, apply_staleness, windowed_fifo_selectable
+from jaxrl_agent.rollout import postprocess, source
+from jaxrl_agent.rollout.manager import collect_groups
+from jaxrl_agent.rollout.postprocess import PostprocessSettings, RewardShaping, assign_advantages
+from jaxrl_agent.rollout.scheduler import (RolloutRunner, Schedule, apply_staleness, episode_seed,
+                                           windowed_fifo_selectable)
 
-__all__ = ["EpisodeSettings", "TaskAllocator", "allocation", "InProcessEnv", "RolloutRunner", "Schedule", "ServiceEnv", "apply_staleness",
-           "assign_advantages", "collect_groups", "expert_trajectory", "run_episode", "windowed_fifo_selectable"]
+__all__ = ["EpisodeSettings", "InProcessEnv", "PostprocessSettings", "RewardShaping", "RolloutRunner", "Schedule",
+           "ServiceEnv", "TaskAllocator", "allocation", "apply_staleness", "assign_advantages", "collect_groups",
+           "episode_seed", "expert_trajectory", "postprocess", "run_episode", "source", "windowed_fifo_selectable"]

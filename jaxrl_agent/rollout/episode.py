@@ -31,13 +31,24 @@ class EpisodeEnv(Protocol):
     async def close(self) -> None: ...
 
 
+def _failed(reason: str, err: BaseException | str) -> env_api.Step:
+    return env_api.Step(env_api.Observation(""), 0.0, True,
+                        {"finish_reason": reason, "success": False, "error": err if isinstance(err, str) else repr(err)})
+
+
 class InProcessEnv:
     """An environment object in this process. With an `executor`, steps run on its threads, so a
-    step that blocks (a slow tool) does not stall the other episodes on the event loop."""
+    step that blocks (a slow tool) does not stall the other episodes on the event loop.
 
-    def __init__(self, env: env_api.Environment, executor=None):
+    Watchdog: a step that takes longer than `step_timeout_s` ends the episode as 'env_timeout'
+    (the run goes on; the stuck thread is abandoned to finish or hang on its own — use the 'pool'
+    service to have hung environments killed). An exception ends it as 'env_error'.
+    """
+
+    def __init__(self, env: env_api.Environment, executor=None, step_timeout_s: float | None = None):
         self.env = env
         self.executor = executor
+        self.step_timeout_s = step_timeout_s
 
     async def reset(self, task, seed):
         return self.env.reset(task, seed)
@@ -46,17 +57,23 @@ class InProcessEnv:
         try:
             if self.executor is None:
                 return self.env.step(action)
-            return await asyncio.get_running_loop().run_in_executor(self.executor, self.env.step, action)
+            call = asyncio.get_running_loop().run_in_executor(self.executor, self.env.step, action)
+            return await asyncio.wait_for(call, self.step_timeout_s)
+        except asyncio.TimeoutError:
+            return _failed("env_timeout", f"step took longer than {self.step_timeout_s}s")
         except Exception as err:  # noqa: BLE001 - an environment bug ends the episode, recorded
-            return env_api.Step(env_api.Observation(""), 0.0, True,
-                                {"finish_reason": "env_error", "success": False, "error": repr(err)})
+            return _failed("env_error", err)
 
     async def close(self):
-        self.env.close()
+        try:
+            self.env.close()
+        except Exception:  # noqa: BLE001 - a failing close must not lose the episode
+            pass
 
 
 class ServiceEnv:
-    """An episode on an EnvService (local pool or remote server); blocking calls run in threads."""
+    """An episode on an EnvService (local pool or remote servers); blocking calls run in threads.
+    A service failure during a step (a server gone) ends the episode as 'env_crash'."""
 
     def __init__(self, service, env_name: str, env_kwargs: dict | None = None):
         self.service, self.env_name, self.env_kwargs = service, env_name, env_kwargs or {}
@@ -68,11 +85,18 @@ class ServiceEnv:
         return observation
 
     async def step(self, action):
-        return await asyncio.to_thread(self.service.step, self.episode_id, action)
+        try:
+            return await asyncio.to_thread(self.service.step, self.episode_id, action)
+        except Exception as err:  # noqa: BLE001 - the service failed: this episode ends, recorded
+            self.episode_id = None
+            return _failed("env_crash", err)
 
     async def close(self):
         if self.episode_id is not None:
-            await asyncio.to_thread(self.service.close_episode, self.episode_id)
+            try:
+                await asyncio.to_thread(self.service.close_episode, self.episode_id)
+            except Exception:  # noqa: BLE001 - the episode is over either way
+                pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +117,15 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     the environment state kept, while this iteration's budget is spent — and a turn cut short by
     the budget is continued by the next call, so one turn may hold tokens of several versions.
     """
-    first = await env.reset(task, seed)
+    try:
+        first = await env.reset(task, seed)
+    except Exception as err:  # noqa: BLE001 - a reset that fails is this episode's recorded end
+        await env.close()
+        empty = np.zeros(0, np.int32)
+        return Trajectory(tokens=empty, loss_mask=empty, sampler_logprobs=np.zeros(0, np.float32),
+                          policy_version=empty, reward=0.0, reward_components={"success": 0.0},
+                          group_id=group_id, sample_index=sample_index, env=task.env, task_id=task.id,
+                          finish_reason="env_reset_error", turns=[{"error": repr(err)}])
     messages = []
     if settings.include_system_prompt and first.system:
         messages.append({"role": "system", "content": first.system})

@@ -34,6 +34,12 @@ from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.replay.trajectory import Trajectory
 from jaxrl_agent.rollout.episode import EpisodeEnv, EpisodeSettings, run_episode
 
+
+def episode_seed(seed: int, group_index: int, sample_index: int) -> int:
+    """The seed of episode `sample_index` of group `group_index`: distinct per episode (groups hold
+    fewer than 1024 episodes); the training runner and evaluation (`collect_groups`) both use it."""
+    return seed + group_index * 1024 + sample_index
+
 SCHEDULES = ("sync", "windowed_fifo", "async")
 STALE_POLICIES = ("drop", "mask")
 
@@ -219,7 +225,7 @@ class RolloutRunner:
             try:
                 trajectory = await run_episode(
                     self.sampler, self.make_env(group.task), group.task, self.tokenizer, self.template,
-                    self.settings, seed=self.seed + group.index * 1024 + i,  # distinct per episode (groups < 1024)
+                    self.settings, seed=episode_seed(self.seed, group.index, i),
                     group_id=f"g{group.index}", sample_index=i, budget=budget)
             except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
                 error = err

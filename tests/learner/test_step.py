@@ -1,6 +1,7 @@
 """The learner's train step: exact log-prob recomputation, skipping non-finite updates, sharding."""
 
 import asyncio
+import dataclasses
 
 import chex
 import jax
@@ -23,10 +24,9 @@ def _trajectories(n):
     expert = envs.expert_policy("calculator")
     trajectories = [rollout.expert_trajectory(ENV, ENV.sample_task(s, 1), expert, TOKENIZER, tok.CHATML)
                     for s in range(n)]
-    for i, t in enumerate(trajectories):
-        t.advantage = 1.0 if i % 2 else -1.0
-        t.sampler_logprobs = np.where(t.loss_mask == 1, -1.0, 0.0).astype(np.float32)
-    return trajectories
+    return [dataclasses.replace(t, advantage=1.0 if i % 2 else -1.0,
+                                sampler_logprobs=np.where(t.loss_mask == 1, -1.0, 0.0).astype(np.float32))
+            for i, t in enumerate(trajectories)]
 
 
 def _expert_batch(n=8, row_length=256):

@@ -86,13 +86,13 @@ def test_group_advantages_and_signal_share():
                                           policy_version=np.zeros(3, np.int32), reward=reward)
 
     groups = [[traj(1.0), traj(0.0), traj(1.0), traj(0.0)], [traj(1.0)] * 4]
-    stats = rollout.assign_advantages(groups)
+    groups, stats = rollout.assign_advantages(groups)
     assert [t.advantage for t in groups[0]] == [0.5, -0.5, 0.5, -0.5]
     assert all(t.advantage == 0.0 for t in groups[1])
     assert stats["nonzero_advantage_group_share"] == 0.5
     # Groups of different sizes (adaptive allocation, staleness drops): each against its own mean.
     ragged = [[traj(1.0), traj(0.0), traj(0.0)], [traj(0.0)] * 2, [traj(1.0), traj(0.0), traj(1.0), traj(0.0)]]
-    stats = rollout.assign_advantages(ragged)
+    ragged, stats = rollout.assign_advantages(ragged)
     np.testing.assert_allclose([t.advantage for t in ragged[0]], [2 / 3, -1 / 3, -1 / 3], rtol=1e-6)
     assert [t.advantage for t in ragged[1]] == [0.0, 0.0] and [t.advantage for t in ragged[2]] == [0.5, -0.5, 0.5, -0.5]
     assert stats["nonzero_advantage_group_share"] == 2 / 3 and stats["groups"] == 3

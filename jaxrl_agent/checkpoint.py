@@ -1,0 +1,97 @@
+"""Run state and resume: Orbax checkpoints of the learner state plus a `RunState` record.
+
+`RunState` is everything besides the arrays that a run needs to continue the same schedule: the
+stage and iteration, policy version, wall time so far, trained tokens, the task source (task stream
+position, allocator posteriors, groups sampled but not yet trained), the replay buffer and the
+trainer's RNG. `Checkpointer.save(step, state, run_state)` writes both; `restore_state` reads the
+learner state back into a target's shapes and shardings; `restore_params` reads only the parameters
+(a post-SFT checkpoint, whose optimizer state belongs to the SFT optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    stage: str  # 'sft_done' or 'rl'
+    iteration: int  # the last finished RL iteration (0 after SFT)
+    version: int  # policy version of the parameters saved
+    elapsed_seconds: float  # wall time of the run so far (all segments)
+    trained_tokens_total: int
+    source: dict  # rollout.source.RolloutSource.state_dict()
+    replay: dict  # replay.ReplayBuffer.state_dict()
+    rng: list  # the trainer's numpy RandomState (minibatch order, demonstrations)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunState":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(fields - set(d))
+        if missing:
+            raise ValueError(f"checkpoint run state lacks {missing}: written by an incompatible version")
+        return cls(**{k: d[k] for k in fields})
+
+
+def rng_state(rng) -> list:
+    kind, keys, pos, has_gauss, cached = rng.get_state()
+    return [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def set_rng_state(rng, state: list) -> None:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = state
+    rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, cached))
+
+
+class Checkpointer:
+    """Orbax `CheckpointManager` over workdir/checkpoints: the learner state (params, optimizer
+    state, step) and the RunState as JSON, saved together under one step number."""
+
+    def __init__(self, directory: str, keep: int):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    def save(self, step: int, state: dict[str, Any], run_state: RunState) -> None:
+        ocp = self._ocp
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(run_state.to_dict())), force=True)
+        self.manager.wait_until_finished()
+
+    def latest(self) -> RunState | None:
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        ocp = self._ocp
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return RunState.from_dict(meta)
+
+    def restore_state(self, target: dict[str, Any]) -> dict[str, Any]:
+        """The latest learner state in the shapes, dtypes and shardings of `target`."""
+        ocp = self._ocp
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        step = self.manager.latest_step()
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+
+    def restore_params(self, params_target):
+        """Only the parameters of the latest checkpoint, cast to `params_target`'s dtypes (its
+        optimizer state may belong to another optimizer)."""
+        ocp = self._ocp
+        step = self.manager.latest_step()
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))["state"]
+        return jax.tree.map(lambda target, value: jnp.asarray(value, target.dtype), params_target, restored["params"])
+
+    def close(self) -> None:
+        self.manager.close()

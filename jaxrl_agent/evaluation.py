@@ -1,0 +1,73 @@
+"""Held-out evaluation on the rollout path: the same episode coroutine (`rollout.collect_groups`
+-> `run_episode`), the same environment launch (`make_env`) and the same per-episode seed scheme
+(`rollout.episode_seed`) as training, on held-out task seeds (`envs.HELD_OUT_SEED_OFFSET + i`).
+
+Per environment and level: greedy pass@1 and, with `pass_k > 1`, k samples per task at the
+training temperature for unbiased sampled pass@1 and pass@k. `eval/success` — the run's headline —
+is greedy pass@1 averaged over the levels RL trains on (and over environments in a mixture, whose
+per-environment figures are `eval/<env>/...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxrl_agent import envs, rollout
+from jaxrl_agent.metrics import invariants
+from jaxrl_agent.metrics.records import success
+
+EVAL_GREEDY_SEED = 10**6
+EVAL_SAMPLED_SEED = 2 * 10**6
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What to evaluate, per environment: {env name: (evaluated levels, trained levels)}."""
+
+    levels: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    tasks_per_difficulty: int
+    pass_k: int = 0
+
+
+def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Environment], tokenizer, template,
+             spec: EvalSpec, *, greedy: rollout.EpisodeSettings, sampled: rollout.EpisodeSettings
+             ) -> dict[str, float]:
+    """Runs the held-out episodes; returns the `eval/*` metrics (and `eval/seconds`)."""
+    started = time.monotonic()
+    results: dict[str, float] = {}
+    mixture = len(spec.levels) > 1
+    headline = []
+    for name, (levels, trained_levels) in spec.levels.items():
+        env = environments[name]
+        prefix = f"eval/{name}/" if mixture else "eval/"
+        for d in levels:
+            tasks = [env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, d) for i in range(spec.tasks_per_difficulty)]
+            groups = asyncio.run(rollout.collect_groups(sampler, make_env, tasks, 1, tokenizer, template, greedy,
+                                                        seed=EVAL_GREEDY_SEED))
+            results[f"{prefix}pass@1/d{d}"] = float(np.mean([success(g[0]) for g in groups]))
+            if spec.pass_k > 1:
+                groups = asyncio.run(rollout.collect_groups(sampler, make_env, tasks, spec.pass_k, tokenizer,
+                                                            template, sampled, seed=EVAL_SAMPLED_SEED))
+                successes = [[success(t) > 0 for t in g] for g in groups]
+                results[f"{prefix}sampled_pass@1/d{d}"] = invariants.mean_pass_at_k(successes, 1)
+                results[f"{prefix}pass@{spec.pass_k}/d{d}"] = invariants.mean_pass_at_k(successes, spec.pass_k)
+        trained = [results[f"{prefix}pass@1/d{d}"] for d in levels if d in trained_levels]
+        env_success = float(np.mean(trained)) if trained else 0.0
+        if mixture:
+            results[f"{prefix}success"] = env_success
+        headline.append(env_success)
+    # The headline number: greedy success on held-out tasks of the levels RL trains on.
+    results["eval/success"] = float(np.mean(headline)) if headline else 0.0
+    results["eval/seconds"] = time.monotonic() - started
+    return results
+
+
+def levels_for(env: envs.Environment, wanted: Sequence[int]) -> tuple[int, ...]:
+    """The wanted levels this environment has (all of its levels when it has none of them)."""
+    have = tuple(d for d in wanted if d in env.difficulties)
+    return have or tuple(env.difficulties)

@@ -1,0 +1,60 @@
+"""One RL iteration's updates: the trained trajectories in `minibatches` packed batches, each one
+`train_step`, with the proximal log-probs recomputed first when the objective needs them.
+
+`rl_update` is the edge between host records and the jitted step: it packs (`replay.pack`), places
+the batch on the mesh, and — for the decoupled correction — runs `proximal_logprobs` on every
+minibatch with the iteration's starting parameters before the first update, so pi_prox is one
+policy for the whole iteration (Hilton et al. 2022; AReaL).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxrl_agent import models, sharding
+from jaxrl_agent.learner.step import PackedBatch, TrainState, sequence_logprobs
+
+
+def make_proximal_logprobs(config: models.ModelConfig, mesh: jax.sharding.Mesh, *, temperature: float,
+                           logits_chunk: int = 0) -> Callable[[object, PackedBatch], jax.Array]:
+    """jit(params, batch) -> log pi_params(tokens) [B, T], as the train step computes them."""
+
+    def logprobs(params, batch: PackedBatch):
+        return sequence_logprobs(config, params, batch, temperature=temperature, logits_chunk=logits_chunk)[0]
+
+    return jax.jit(logprobs, out_shardings=sharding.batch_sharding(mesh))
+
+
+def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.random.RandomState, minibatches: int,
+              row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
+              proximal_logprobs: Callable | None = None) -> tuple[TrainState, dict[str, float]]:
+    """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
+    new state and the last step's metrics as floats ({} when there is nothing to train on)."""
+    from jaxrl_agent import replay
+
+    if not trajectories:
+        return state, {}
+    order = rng.permutation(len(trajectories))
+    batches = []
+    for part in np.array_split(order, minibatches):
+        if len(part) == 0:
+            continue
+        batch, _ = replay.pack([trajectories[i] for i in part], row_length, row_multiple=row_multiple,
+                               target_multiple=target_multiple)
+        batches.append(jax.device_put(batch, sharding.batch_sharding(mesh)))
+    if proximal_logprobs is not None:
+        batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
+    metrics = {}
+    for batch in batches:
+        state, metrics = step_fn(state, batch)
+    return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int) -> int:
+    """Learner rows are split over ('data', 'fsdp'): row counts must divide by that and by every
+    configured multiple."""
+    return math.lcm(mesh.shape["data"] * mesh.shape["fsdp"], *multiples)

@@ -1,0 +1,16 @@
+"""Metrics: the invariant metrics (exploration, learning signal), pure record builders, the writer."""
+
+from jaxrl_agent.metrics.invariants import (
+    distinct_solutions,
+    entropy_by_env,
+    group_signal,
+    mean_pass_at_k,
+    pass_at_k,
+    solution_signature,
+)
+from jaxrl_agent.metrics.records import exploration_guards, iteration_record, summarize
+from jaxrl_agent.metrics.writer import MetricsWriter, flatten, plain
+
+__all__ = ["MetricsWriter", "distinct_solutions", "entropy_by_env", "exploration_guards", "flatten",
+           "group_signal", "iteration_record", "mean_pass_at_k", "pass_at_k", "plain", "solution_signature",
+           "summarize"]

@@ -1,0 +1,133 @@
+"""Pure builders of the records the trainer writes: one RL iteration's record, the exploration
+guards' flags, and the run's headline summary. Inputs are finished trajectories and plain numbers;
+nothing here touches a model, a sampler or a file."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxrl_agent.metrics import invariants
+
+SAMPLER_COUNTERS = ("idle_seconds", "prefill_tokens", "reused_tokens", "generate_calls", "decode_seconds",
+                    "admit_seconds", "live_slots", "decoded_slots")
+
+
+def success(trajectory) -> float:
+    return float(trajectory.reward_components.get("success", 0.0))
+
+
+def actions(trajectory, decode: Callable[[Sequence[int]], str]) -> list[str]:
+    """The text of each assistant turn (contiguous sampled spans), end markers included."""
+    mask = np.asarray(trajectory.loss_mask)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [decode(trajectory.tokens[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def sampler_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in SAMPLER_COUNTERS}
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(np.mean(values)) if values else 0.0
+
+
+def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any], signal: Mapping[str, float],
+                     learner_metrics: Mapping[str, float], sampler: Mapping[str, float], group_size: int,
+                     decode: Callable[[Sequence[int]], str], trained_version: int,
+                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One RL iteration's metrics.
+
+    Args:
+      groups: every group sampled this iteration (after reward shaping).
+      trained: the trajectories the learner trained on.
+      signal: post-processing's signal metrics (groups, nonzero share, stale drops...).
+      learner_metrics: the last update's metrics (every objective metric is kept).
+      sampler: the sampler's counters over the iteration (`sampler_delta`).
+      trained_version: the policy version the learner trained at (for the lag of each token).
+      extra: schedule position, timings and counts the trainer knows.
+    """
+    episodes = [t for g in groups for t in g]
+    successes = [[success(t) > 0 for t in g] for g in groups]
+    clusters = {g[0].task_id: [invariants.solution_signature(actions(t, decode)) for t in g] for g in groups}
+    lag = np.concatenate([trained_version - t.policy_version[t.loss_mask == 1] for t in trained]) \
+        if trained else np.zeros(0)
+    calls = max(sampler.get("generate_calls", 0), 1)
+    names = sorted({k for t in episodes for k in t.reward_components})
+    record: dict[str, Any] = {
+        **signal,
+        "success": _mean(success(t) for t in episodes),
+        f"pass@{group_size}": invariants.mean_pass_at_k([s for s in successes if len(s) == group_size], group_size),
+        "distinct_solutions": invariants.distinct_solutions(clusters),
+        **{f"sampled_entropy/{env}": v for env, v in invariants.entropy_by_env(episodes).items()},
+        "reward": _mean(t.reward for t in episodes),
+        **{f"reward/{name}": _mean(t.reward_components.get(name, 0.0) for t in episodes) for name in names},
+        "trained_trajectories": len(trained),
+        "rollouts": len(episodes),
+        "generated_tokens": int(sum(t.generated_tokens for t in episodes)),
+        "trained_tokens": int(sum(int(t.loss_mask.sum()) for t in trained)),
+        "policy_lag_mean": float(lag.mean()) if lag.size else 0.0,
+        "policy_lag_max": int(lag.max()) if lag.size else 0,
+        "sampler_idle_seconds": sampler.get("idle_seconds", 0.0),
+        # Prompt tokens run through the model, and those taken from the prefix cache instead.
+        "sampler_prefill_tokens": sampler.get("prefill_tokens", 0),
+        "sampler_reused_tokens": sampler.get("reused_tokens", 0),
+        # Where the sampler's time went and how full its decode calls were: live requests and
+        # slots run, per generate call (remote servers' counters summed over the servers).
+        "sampler_decode_seconds": sampler.get("decode_seconds", 0.0),
+        "sampler_admit_seconds": sampler.get("admit_seconds", 0.0),
+        "sampler_generate_calls": sampler.get("generate_calls", 0),
+        "sampler_live_per_call": sampler.get("live_slots", 0) / calls,
+        "sampler_rows_per_call": sampler.get("decoded_slots", 0) / calls,
+        "finish_reasons": dict(collections.Counter(t.finish_reason for t in episodes)),
+        **dict(learner_metrics),
+    }
+    by_env: dict[str, list] = collections.defaultdict(list)
+    for g in groups:
+        by_env[g[0].env].append(g)
+    if len(by_env) > 1:
+        for env, env_groups in sorted(by_env.items()):
+            env_episodes = [t for g in env_groups for t in g]
+            record[f"success/{env}"] = _mean(success(t) for t in env_episodes)
+            record[f"reward/{env}"] = _mean(t.reward for t in env_episodes)
+            record[f"signal_share/{env}"] = _mean(len({t.reward for t in g}) > 1 for g in env_groups)
+            record[f"rollouts/{env}"] = len(env_episodes)
+    record.update(extra or {})
+    return record
+
+
+def exploration_guards(record: Mapping[str, Any], *, entropy_floor: float, distinct_solutions_floor: float
+                       ) -> dict[str, float]:
+    """Exploration collapse flags: `guard/entropy_collapse` = 1 when some environment's mean
+    sampled-token entropy is below the floor, `guard/solution_collapse` = 1 when tasks average
+    fewer distinct solutions (tool-call sequences) than the floor."""
+    flags = {}
+    entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
+    if entropies and min(entropies) < entropy_floor:
+        flags["guard/entropy_collapse"] = 1.0
+    if record.get("groups") and record["distinct_solutions"] < distinct_solutions_floor:
+        flags["guard/solution_collapse"] = 1.0
+    return flags
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The run's headline, from its metrics records (all processes of a resumed run): held-out
+    success after the cold start (the last `sft_eval`, else the initial evaluation) and at the end
+    (the last evaluation of any stage), per level and overall, and the gain in points."""
+    evals = [r for r in records if r.get("stage") in ("initial_eval", "sft_eval", "rl_eval")]
+    if not evals:
+        return {}
+    cold = [r for r in evals if r["stage"] == "sft_eval"] or [r for r in evals if r["stage"] == "initial_eval"] \
+        or evals[:1]
+    before, after = cold[-1], evals[-1]
+    keys = [k for k in after if k.startswith("eval/") and ("/pass@1/" in k or k.endswith("/success"))]
+    summary = {}
+    for key in keys:
+        name = key[len("eval/"):]
+        summary[f"after_sft/{name}"] = float(before.get(key, 0.0))
+        summary[f"final/{name}"] = float(after[key])
+    summary["gain_points"] = 100.0 * (summary.get("final/success", 0.0) - summary.get("after_sft/success", 0.0))
+    return summary
