@@ -194,8 +194,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.clip_eps_low = 0.2
     config.rl.clip_eps_high = 0.2  # > clip_eps_low is DAPO's clip-higher.
     config.rl.dual_clip = 0.0  # ppo: dual clip c > 1 for negative advantages (Ye et al. 2020); 0 = off.
-    config.rl.gspo_eps_low = 3e-4  # gspo: bounds on the length-normalised sequence ratio (Zheng et al. 2025).
-    config.rl.gspo_eps_high = 4e-4
+    # gspo: bounds on the length-normalised sequence ratio (Zheng et al. 2025).
+    config.rl.gspo_eps_low = 3e-4
+    config.rl.gspo_eps_high = 4e-4  # (a geometric mean per token: bounds ~1e-4, not 0.2)
     # Advantages within a group: 'grpo' ((r - mean) / std), 'dr_grpo' (r - mean; divided by the std
     # was slightly worse in background/learning-notes.md), 'rloo' (leave-one-out mean) or 'ploo'
     # (Kimi k1.5's leave-one-out soft baseline at temperature rl.tau).
@@ -206,13 +207,13 @@ def get_config() -> ml_collections.ConfigDict:
     # pi_prox / pi_sampler capped at rl.tis_cap).
     config.rl.correction = "tis"
     config.rl.tis_cap = 2.0  # Truncated importance weight cap (tis, decoupled).
-    config.rl.icepop_low = 0.5  # icepop: kept ratio range.
-    config.rl.icepop_high = 2.0
+    config.rl.icepop_low = 0.5  # icepop: kept ratio range [low, high].
+    config.rl.icepop_high = 2.0  # (Ling Team 2025)
     config.rl.entropy_coef = 0.0  # Entropy bonus coefficient (> 0 rewards exploration).
     # KL to a frozen reference policy: coef * KL estimate ('k1', 'k2' or 'k3'; Schulman 2020). The
     # reference's log-probs cost a second forward pass, made only when kl_coef > 0.
     config.rl.kl_coef = 0.0
-    config.rl.kl_estimator = "k3"
+    config.rl.kl_estimator = "k3"  # (k3: unbiased and non-negative)
     # The reference: 'initial' (the weights RL starts from), 'sft' (the weights after SFT: the
     # same here, since RL starts after SFT) or a Hugging Face model folder.
     config.rl.reference = "initial"

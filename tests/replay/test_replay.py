@@ -1,5 +1,7 @@
 """Trajectory validation, the replay buffer, and packing."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -14,9 +16,7 @@ def _traj(n=10, generated=(5, 6, 7), seed=0, **overrides):
                    sampler_logprobs=np.where(mask == 1, -rng.rand(n), 0).astype(np.float32),
                    policy_version=np.where(mask == 1, 3, -1).astype(np.int32), reward=1.0, advantage=0.5,
                    task_id=f"t{seed}")
-    for k, v in overrides.items():
-        setattr(t, k, v)
-    return t
+    return dataclasses.replace(t, **overrides)
 
 
 BAD = {

@@ -1,0 +1,270 @@
+"""The open trainer: every choice reachable from the config — objectives, advantages, corrections,
+the reference KL, environments (imports, kwargs, mixtures, services, the watchdog), rewards — and a
+user project outside the package trained through the launcher."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_agent import build, learner, losses, models, replay, trainer
+from tests.test_trainer import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+USER_PROJECT = FIXTURES / "user_project"
+
+
+def _rl_only(config, iterations=2):
+    config.sft.steps = 0
+    config.rl.iterations = iterations
+    config.eval.every = 100
+    config.eval.pass_k = 0
+    config.eval.tasks_per_difficulty = 2
+    config.env.eval_difficulties = "1"
+    config.metrics.tensorboard = False
+    return config
+
+
+def _records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+# ------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize("key,value,message", [
+    ("rl.objective", "trpo", r"rl.objective='trpo': expected one of \('mirror_descent'"),
+    ("rl.advantage", "gae", r"rl.advantage='gae': expected one of"),
+    ("rl.correction", "vtrace", r"rl.correction='vtrace': expected one of"),
+    ("rl.kl_estimator", "k4", r"rl.kl_estimator='k4'"),
+    ("rl.reference", "/no/such/folder", r"rl.reference='/no/such/folder'"),
+    ("rl.objective_fn", "no_such_module_xyz:f", r"rl.objective_fn='no_such_module_xyz:f': cannot import"),
+    ("rl.objective_fn", "jaxrl_agent.losses:nothing_here", r"module 'jaxrl_agent.losses' has no 'nothing_here'"),
+    ("env.imports", "no_such_module_xyz", r"env.imports: cannot import 'no_such_module_xyz'"),
+    ("env.mixture", "calculator:0.5,nowhere:0.5", r"environment 'nowhere' is not registered"),
+    ("env.mixture", "calculator:x", r"weight 'x' of 'calculator' is not a number"),
+    ("env.service", "pool2", r"env.service='pool2': expected one of \('inprocess', 'pool'\)"),
+    ("env.kwargs", "[1, 2]", r"env.kwargs='\[1, 2\]': expected a JSON object"),
+    ("reward.weights", "correctness", r"reward.weights='correctness': expected 'name:weight"),
+    ("reward.fn", "no_such_module_xyz:f", r"reward.fn='no_such_module_xyz:f': cannot import"),
+])
+def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, message):
+    config = tiny_config(tmp_path)
+    section, field = key.split(".")
+    config[section][field] = value
+    with pytest.raises(build.ConfigError, match=message):
+        build.validate_config(config)
+
+
+def test_sft_needs_an_expert_or_none(tmp_path):
+    from jaxrl_agent import envs
+
+    envs.register("no_expert_calc", lambda: envs.make("calculator"), overwrite=True)
+    config = tiny_config(tmp_path)
+    config.env.name = "no_expert_calc"
+    with pytest.raises(build.ConfigError, match="environment 'no_expert_calc' has no scripted expert"):
+        build.validate_config(config)
+
+
+# ------------------------------------------------------------------------------ objectives
+# Together the variants cover every named objective, advantage, correction and KL estimator.
+VARIANTS = {
+    "ppo+grpo+none+dual_clip": {"rl.objective": "ppo", "rl.advantage": "grpo", "rl.correction": "none",
+                                "rl.dual_clip": 3.0, "rl.clip_eps_high": 0.28},
+    "gspo+rloo+icepop+k3": {"rl.objective": "gspo", "rl.advantage": "rloo", "rl.correction": "icepop",
+                            "rl.kl_coef": 0.05, "rl.kl_estimator": "k3"},
+    "cispo+ploo+decoupled": {"rl.objective": "cispo", "rl.advantage": "ploo", "rl.correction": "decoupled",
+                             "rl.clip_eps_low": 1.0, "rl.tau": 1.0},
+    "reinforce+dr_grpo+tis+entropy+k1": {"rl.objective": "reinforce", "rl.advantage": "dr_grpo",
+                                         "rl.correction": "tis", "rl.entropy_coef": 0.01, "rl.kl_coef": 0.05,
+                                         "rl.kl_estimator": "k1"},
+    "mirror_descent_sequence+k2": {"rl.objective": "mirror_descent", "rl.level": "sequence", "rl.kl_coef": 0.05,
+                                   "rl.kl_estimator": "k2"},
+}
+EXPECTED_METRICS = {
+    "ppo+grpo+none+dual_clip": ["ppo_clip/loss", "ppo/clip_frac_low"],
+    "gspo+rloo+icepop+k3": ["gspo/loss", "kl_k3/loss", "kl_k3/mean", "icepop/masked_frac"],
+    "cispo+ploo+decoupled": ["cispo/loss", "decoupled/behaviour_weight_mean"],
+    "reinforce+dr_grpo+tis+entropy+k1": ["reinforce/loss", "entropy/mean", "kl_k1/loss", "tis/weight_mean"],
+    "mirror_descent_sequence+k2": ["mirror_descent/loss", "kl_k2/loss"],
+}
+
+
+def _scrambled_reward(trajectory) -> float:
+    return float(np.random.RandomState(abs(hash((trajectory.group_id, trajectory.sample_index))) % 2**31).rand())
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_named_objective_advantage_correction_and_kl_runs_from_the_config(tmp_path, name):
+    config = _rl_only(tiny_config(tmp_path))
+    for key, value in VARIANTS[name].items():
+        section, field = key.split(".")
+        config[section][field] = value
+    # Untrained, the policy fails every task alike; rewards that differ within a group (a fixed
+    # pseudo-random value per episode) give every update a non-zero advantage to act on.
+    records = _records(trainer.train_and_evaluate(config, quiet=True, reward_fn=_scrambled_reward))
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    trained = [r for r in rl if r["trained_trajectories"] > 0]
+    assert trained, "no iteration trained (every group all-equal twice)"
+    for record in trained:
+        assert np.isfinite(record["loss"]) and record["grad_norm"] > 0
+        missing = [k for k in EXPECTED_METRICS[name] if k not in record]
+        assert not missing, f"{name}: objective metrics {missing} did not reach metrics.jsonl"
+        if "rl.kl_coef" in VARIANTS[name]:
+            # One update from the reference at most: the KL is small but computed (reference forward pass).
+            assert abs(record[f"kl_{VARIANTS[name]['rl.kl_estimator']}/mean"]) < 1.0
+
+
+def test_kl_to_the_reference_falls_when_only_kl_is_optimised():
+    from jaxrl_agent import envs, rollout, tokenizer as tok
+
+    tokenizer = tok.CharTokenizer()
+    config = models.ModelConfig(vocab_size=tokenizer.vocab_size, num_layers=1, hidden_size=32,
+                                intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
+    reference = models.init_params(config, jax.random.PRNGKey(0))
+    # The policy starts away from the reference.
+    params = jax.tree.map(lambda p, n: p + 3.0 * n, reference,
+                          models.init_params(config, jax.random.PRNGKey(1)))
+    env = envs.make("calculator")
+    trajectories = [rollout.expert_trajectory(env, env.sample_task(s, 1), envs.expert_policy("calculator"),
+                                              tokenizer, tok.CHATML) for s in range(4)]
+    batch, _ = replay.pack(trajectories, 128, row_multiple=2)
+    objective = losses.make_objective([losses.KLTerm("k3", coef=1.0)])
+    assert objective.needs_reference
+    optimizer = learner.make_optimizer(learning_rate=3e-3, warmup_steps=1, total_steps=40)
+    state = learner.init_state(params, optimizer, ref_params=reference)
+    step = jax.jit(learner.make_train_step(config, optimizer, objective=objective))
+    kls = []
+    for _ in range(25):
+        state, metrics = step(state, batch)
+        kls.append(float(metrics["kl_k3/mean"]))
+    assert kls[0] > 1.0 and kls[-1] < 0.5 * kls[0], kls
+    # The reference is frozen.
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(reference)))
+
+
+def test_an_objective_and_a_reward_fn_passed_from_python(tmp_path):
+    seen = []
+
+    def my_loss(logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg):
+        return losses.masked_token_mean(-advantages * logprobs, mask), {"tokens_seen": jnp.sum(mask)}
+
+    def reward_fn(trajectory):
+        seen.append(trajectory.task_id)
+        return 1.0 if trajectory.finish_reason == "answer" else 0.0
+
+    config = _rl_only(tiny_config(tmp_path))
+    objective = losses.objective_from_loss(my_loss, name="mine")
+    records = _records(trainer.train_and_evaluate(config, quiet=True, objective=objective, reward_fn=reward_fn))
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert len(seen) == sum(r["rollouts"] for r in rl)
+    for record in rl:
+        # With no reward.weights the function's value is the reward.
+        assert record["reward"] == pytest.approx(record["reward/custom"])
+        assert record["reward/custom"] == pytest.approx(record["finish_reasons"].get("answer", 0) / record["rollouts"])
+        if record["trained_trajectories"]:
+            assert record["mine/tokens_seen"] > 0
+    assert next(r for r in records if r["stage"] == "start")["objective"] == "mine"
+
+
+# ------------------------------------------------------------------------------ environments
+def test_a_mixture_reports_per_environment_metrics_and_evaluation(tmp_path):
+    config = _rl_only(tiny_config(tmp_path))
+    config.env.mixture = "calculator:0.5,kb_search:0.5"
+    config.rollout.prompts_per_iteration = 6
+    config.rl.iterations = 1
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    (rl,) = [r for r in records if r["stage"] == "rl"]
+    assert rl["rollouts/calculator"] + rl["rollouts/kb_search"] == rl["rollouts"] == 12
+    for env in ("calculator", "kb_search"):
+        assert 0.0 <= rl[f"success/{env}"] <= 1.0 and 0.0 <= rl[f"signal_share/{env}"] <= 1.0
+        assert f"sampled_entropy/{env}" in rl
+    final = [r for r in records if r["stage"] == "rl_eval"][-1]
+    assert {"eval/calculator/pass@1/d1", "eval/kb_search/pass@1/d1", "eval/calculator/success",
+            "eval/kb_search/success", "eval/success"} <= set(final)
+    assert final["eval/success"] == pytest.approx(
+        (final["eval/calculator/success"] + final["eval/kb_search/success"]) / 2)
+
+
+def test_a_hanging_step_in_process_ends_only_its_episode(tmp_path):
+    config = _rl_only(tiny_config(tmp_path))
+    config.env.imports = "tests.fixtures.faulty_envs"
+    config.env.name = "calc_hang"
+    config.env.step_timeout_s = 0.5
+    config.rl.iterations = 1
+    config.rollout.prompts_per_iteration = 4  # task seeds 0..3: seed 0 hangs
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    (rl,) = [r for r in records if r["stage"] == "rl"]
+    assert rl["finish_reasons"].get("env_timeout", 0) == 2  # both episodes of task 0
+    assert sum(rl["finish_reasons"].values()) == 8
+
+
+def test_a_pool_worker_dying_mid_episode_ends_only_that_episode(tmp_path):
+    config = _rl_only(tiny_config(tmp_path))
+    config.env.imports = "tests.fixtures.faulty_envs"
+    config.env.name = "calc_crash"
+    config.env.service = "pool"
+    config.env.pool_workers = 2
+    config.env.step_timeout_s = 20.0
+    config.rollout.prompts_per_iteration = 4  # seed 0 of each iteration's stream crashes its worker
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    assert rl[0]["finish_reasons"].get("env_crash", 0) >= 1
+    assert rl[-1]["env_service/worker_restarts"] >= 1 and rl[-1]["env_service/env_crash"] >= 1
+    assert all(sum(r["finish_reasons"].values()) == 8 for r in rl)
+    assert [r for r in records if r["stage"] == "summary"]
+
+
+def test_the_default_config_on_remote_env_servers(tmp_path):
+    servers = [subprocess.Popen([sys.executable, str(ROOT / "launch" / "env_server.py"), "--port", "0",
+                                 "--workers", "1"], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(2)]
+    try:
+        addresses = [s.stdout.readline().split()[-1] for s in servers]
+        config = _rl_only(tiny_config(tmp_path))
+        # A third address has no server: episodes fail over to the two that answer.
+        config.env.service = ",".join(addresses + ["127.0.0.1:9"])
+        records = _records(trainer.train_and_evaluate(config, quiet=True))
+        rl = [r for r in records if r["stage"] == "rl"]
+        assert [r["step"] for r in rl] == [1, 2] and all(r["rollouts"] == 6 for r in rl)
+        assert "env_reset_error" not in rl[0]["finish_reasons"]
+        assert rl[-1]["env_service/failovers"] >= 1
+    finally:
+        for s in servers:
+            s.kill()
+
+
+# ------------------------------------------------------------------------------ a user project
+def test_a_user_project_trains_through_the_launcher(tmp_path):
+    """tests/fixtures/user_project: its own environment, objective and reward, no edit to jaxrl_agent/."""
+    overrides = {"workdir": str(tmp_path), "sft.steps": 20, "sft.batch_size": 8, "sft.log_every": 10,
+                 "rl.iterations": 2, "eval.every": 100, "eval.tasks_per_difficulty": 4, "eval.pass_k": 0,
+                 "metrics.tensorboard": False, "model.num_layers": 1, "model.hidden_size": 32,
+                 "model.intermediate_size": 64, "model.num_heads": 2, "model.num_kv_heads": 1, "model.head_dim": 16,
+                 "rollout.prompts_per_iteration": 4, "rollout.group_size": 2, "sampler.max_concurrent_decodes": 8,
+                 "sft.num_demonstrations": 32, "env.service": "pool", "env.pool_workers": 1}
+    command = [sys.executable, str(ROOT / "launch" / "tpu_run.py"), "--config", str(USER_PROJECT / "config.py")]
+    command += [f"--config.{k}={v}" for k, v in overrides.items()]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(USER_PROJECT), str(ROOT)])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = _records(tmp_path / "metrics.jsonl")
+    start = next(r for r in records if r["stage"] == "start")
+    assert start["objective"] == "reverse_ppo" and start["environments"] == "reverse"
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    for record in rl:
+        assert "reward/first_letter" in record and "sampled_entropy/reverse" in record
+        # reward = correctness + first_letter (0.5 x correctness) + 0.1 x format
+        assert record["reward"] == pytest.approx(record["reward/correctness"] * 1.5 + 0.1 * record["reward/format"],
+                                                 abs=1e-6)
+        if record["trained_trajectories"]:
+            assert "length/mean_length" in record and "ppo_clip/loss" in record
+    assert any(r["stage"] == "summary" for r in records)
