@@ -157,6 +157,17 @@ def get_config() -> ml_collections.ConfigDict:
     # A function that raises scores 0 and is counted as reward/reward_fn_error. '' = none.
     config.reward.fn = ""
 
+    config.data = ml_collections.ConfigDict()
+    # RL tasks: 'procedural' (each environment's seeded generator, env.train_difficulties), or task
+    # records (Task.to_dict form; only 'prompt' required) from a .jsonl or .array_record file or a
+    # TFDS builder 'tfds:<name>[/<config>]', read through grain: shuffled, repeated, sharded by
+    # process, their position checkpointed. Malformed records are skipped and counted by reason.
+    config.data.tasks = "procedural"
+    config.data.shuffle = True  # Shuffle task records (seeded by `seed`); False = file order.
+    # SFT demonstrations: a JSONL of OpenAI-style {"messages": [...]} records (assistant turns are
+    # trained on; tool_calls written in the tool protocol); '' = the environment's scripted expert.
+    config.data.demonstrations = ""
+
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).
     config.sft.batch_size = 64  # Fresh expert episodes per update (~0.9 s per update on 2 cores).

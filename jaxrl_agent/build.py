@@ -356,13 +356,35 @@ def validate_config(config) -> None:
         need(callable(import_object(config.reward.fn, "reward.fn")), f"reward.fn={config.reward.fn!r}: not a function")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
-    if config.sft.steps > 0:
+    from jaxrl_agent import data
+
+    try:
+        kind = data.task_source_kind(config.data.tasks)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    need(kind in ("procedural", "tfds") or os.path.isfile(config.data.tasks),
+         f"data.tasks={config.data.tasks!r}: no such file")
+    demonstrations = config.data.demonstrations
+    need(not demonstrations or os.path.isfile(demonstrations), f"data.demonstrations={demonstrations!r}: no such file")
+    if config.sft.steps > 0 and not demonstrations:
         for name in mixture:
             try:
                 envs.expert_policy(name)
             except ValueError:
                 raise ConfigError(f"sft.steps={config.sft.steps}: environment {name!r} has no scripted expert; "
-                                  "set sft.steps=0") from None
+                                  "give data.demonstrations (a JSONL of chat records) or set sft.steps=0") from None
+
+
+def build_task_stream(config, environments: "Environments", levels: dict, *, seed: int):
+    """The RL task stream of `data.tasks`: procedural (seeded generators over the mixture) or
+    records from a dataset, sharded by `jax.process_index()`."""
+    from jaxrl_agent import data, rollout
+
+    if config.data.tasks == "procedural":
+        return rollout.source.ProceduralTasks(environments.environments, environments.weights, levels, seed=seed)
+    return data.DatasetTasks(config.data.tasks, default_env=config.env.name, known_envs=list(environments.environments),
+                             seed=seed, shuffle=config.data.shuffle, shard_index=jax.process_index(),
+                             shard_count=jax.process_count())
 
 
 def build_advantage_fn(config):

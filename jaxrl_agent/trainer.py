@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_agent import build, checkpoint, envs, evaluation, learner, losses, models, replay, rollout, sharding
+from jaxrl_agent import build, checkpoint, data, envs, evaluation, learner, losses, models, replay, rollout, sharding
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 from jaxrl_agent.sampling import SamplingParams
@@ -194,19 +194,28 @@ def run_sft(run: Run) -> None:
         learner.make_train_step(run.model_config, optimizer, sft=True, microbatches=config.learner.microbatches,
                                 logits_chunk=config.learner.logits_chunk), state, run.mesh)
     row_multiple = learner.row_multiple_for(run.mesh, config.learner.row_multiple)
-    experts = {name: envs.expert_policy(name) for name in run.environments.environments}
     tasks = rollout.source.ProceduralTasks(run.environments.environments, run.environments.weights,
                                            run.sft_levels, seed=config.seed + 2)
     tasks.next_seed = DEMONSTRATION_SEED_OFFSET
 
     def demonstrate(task):
         env = run.environments.environments[task.env]
-        return rollout.expert_trajectory(env, task, experts[task.env], run.tokenizer, run.template,
+        return rollout.expert_trajectory(env, task, envs.expert_policy(task.env), run.tokenizer, run.template,
                                          include_system_prompt=config.rollout.include_system_prompt)
 
-    # A finite set of demonstrations (sft.num_demonstrations > 0), revisited over epochs, or fresh
-    # ones every step.
-    pool = [demonstrate(t) for t in tasks.take(c.num_demonstrations)]
+    if config.data.demonstrations:
+        # A demonstrations file (chat records), revisited over epochs.
+        pool, skipped_records = data.read_demonstrations(config.data.demonstrations, run.tokenizer, run.template,
+                                                         env=config.env.name)
+        run.writer.write("data", 0, {"demonstrations": config.data.demonstrations, "demonstration_records": len(pool),
+                                     "skipped_records": skipped_records})
+        if not pool:
+            raise build.ConfigError(f"data.demonstrations={config.data.demonstrations!r}: no usable records "
+                                    f"(skipped: {skipped_records})")
+    else:
+        # A finite set of expert demonstrations (sft.num_demonstrations > 0), revisited over
+        # epochs, or fresh ones every step.
+        pool = [demonstrate(t) for t in tasks.take(c.num_demonstrations)]
     skipped, start = 0, time.perf_counter()
     for step in range(1, c.steps + 1):
         if pool:
@@ -277,11 +286,13 @@ def run_rl(run: Run) -> None:
     runner = rollout.RolloutRunner(run.sampler, run.environments.make_env, run.tokenizer, run.template,
                                    run.episode_settings(r.temperature), r.group_size,
                                    token_budget=schedule.token_budget, seed=config.seed)
-    tasks = rollout.source.ProceduralTasks(run.environments.environments, run.environments.weights,
-                                           run.train_levels, seed=config.seed)
+    tasks = build.build_task_stream(config, run.environments, run.train_levels, seed=config.seed)
+    if config.data.tasks != "procedural":
+        run.writer.write("data", 0, {"tasks": config.data.tasks, "task_records": tasks.size,
+                                     "skipped_records": dict(tasks.skipped)})
     source = rollout.source.RolloutSource(
         tasks, runner, schedule, prompts_per_iteration=r.prompts_per_iteration, group_size=r.group_size,
-        allocator=_allocator(config, tasks), dynamic_sampling=config.allocation.dynamic_sampling,
+        allocator=_allocator(run), dynamic_sampling=config.allocation.dynamic_sampling,
         max_group=config.allocation.max_group)
     first_iteration = 1
     if resume is not None:
@@ -325,13 +336,14 @@ def run_rl(run: Run) -> None:
         runner.close()
 
 
-def _allocator(config, tasks: rollout.source.ProceduralTasks) -> rollout.TaskAllocator | None:
-    """The RL task pool and its allocation rule (`config.allocation`); None = a fresh task per group."""
+def _allocator(run: Run) -> rollout.TaskAllocator | None:
+    """The RL task pool and its allocation rule (`config.allocation`); None = a fresh task per group.
+    The pool is the first `task_pool` tasks of a stream of its own (seed + 1)."""
+    config = run.config
     a, r = config.allocation, config.rollout
     if a.task_pool <= 0:
         return None
-    pool = rollout.source.ProceduralTasks(tasks.environments, dict(zip(tasks.names, tasks.p)), tasks.levels,
-                                          seed=config.seed + 1).take(a.task_pool)
+    pool = build.build_task_stream(config, run.environments, run.train_levels, seed=config.seed + 1).take(a.task_pool)
     return rollout.TaskAllocator(
         pool, a.strategy, r.group_size, candidates=a.candidates, max_group=a.max_group, decay=a.decay,
         min_group=max(2, r.group_size // 2) if a.strategy == "until_mixed" else None,
@@ -374,7 +386,9 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         extra={
             **({"allocation/retired_tasks": retired} if retired is not None else {}),
             # Schedule position after this iteration (a resumed run must continue it exactly).
-            "version": run.version, "task_seed": source.tasks.next_seed, "learner_step": int(state.step),
+            "version": run.version, "task_position": source.tasks.position, "learner_step": int(state.step),
+            # Which records were trained on, when tasks come from a dataset.
+            **({"task_ids": [g[0].task_id for g in groups]} if config.data.tasks != "procedural" else {}),
             "trained_tokens_total": run.trained_tokens_total,
             "groups_pending": source.groups_pending(), "suspended_episodes": suspended,
             "sample_seconds": sample_seconds,  # the learner's idle time: waiting for rollouts

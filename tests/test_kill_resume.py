@@ -53,11 +53,25 @@ def _records(workdir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
+def _task_records(path):
+    """A JSONL of calculator task records (Task.to_dict form), plus two malformed lines."""
+    from jaxrl_agent import data, envs
+
+    env = envs.make("calculator")
+    records = [env.sample_task(500 + i, 1 + i % 3).to_dict() for i in range(40)]
+    data.write_jsonl(str(path), records)
+    with open(path, "a") as f:
+        f.write("not json\n" + json.dumps({"env": "calculator"}) + "\n")
+    return str(path)
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_continues_the_same_schedule(tmp_path):
+@pytest.mark.parametrize("tasks", ["procedural", "jsonl"])
+def test_sigkill_then_resume_continues_the_same_schedule(tmp_path, tasks):
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
-    reference = _launch(_flags(reference_dir))
-    victim = _launch(_flags(killed_dir))
+    extra = [] if tasks == "procedural" else [f"--config.data.tasks={_task_records(tmp_path / 'tasks.jsonl')}"]
+    reference = _launch(_flags(reference_dir) + extra)
+    victim = _launch(_flags(killed_dir) + extra)
     # Kill the second run hard once it has logged its second RL iteration (its checkpoint may be
     # complete, in flight or not started: resume must cope with each).
     deadline = time.time() + 600
@@ -69,7 +83,7 @@ def test_sigkill_then_resume_continues_the_same_schedule(tmp_path):
     victim.wait()
     assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
 
-    resumed = _launch(_flags(killed_dir) + ["--config.resume=True"])
+    resumed = _launch(_flags(killed_dir) + extra + ["--config.resume=True"])
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
 
     records = _records(killed_dir)
@@ -81,6 +95,13 @@ def test_sigkill_then_resume_continues_the_same_schedule(tmp_path):
     expected = {r["step"]: r for r in _records(reference_dir) if r["stage"] == "rl"}
     for r in after:  # same tasks, versions and optimizer steps as the uninterrupted run
         ref = expected[r["step"]]
-        assert (r["task_seed"], r["version"], r["learner_step"]) == (ref["task_seed"], ref["version"],
-                                                                      ref["learner_step"]), r["step"]
+        assert (r["task_position"], r["version"], r["learner_step"]) == (ref["task_position"], ref["version"],
+                                                                          ref["learner_step"]), r["step"]
+        # The exact task sequence: the same records, in the same order, at every iteration.
+        assert r.get("task_ids") == ref.get("task_ids"), r["step"]
+    if tasks == "jsonl":
+        data_record = next(r for r in records if r["stage"] == "data")
+        assert data_record["task_records"] == 40
+        assert data_record["skipped_records"] == {"not_json": 1, "missing_prompt": 1}
+        assert all(len(r["task_ids"]) == 3 for r in after)
     assert any(r["stage"] == "rl_eval" and r["step"] == ITERATIONS for r in records)

@@ -268,3 +268,33 @@ def test_a_user_project_trains_through_the_launcher(tmp_path):
         if record["trained_trajectories"]:
             assert "length/mean_length" in record and "ppo_clip/loss" in record
     assert any(r["stage"] == "summary" for r in records)
+
+
+# ------------------------------------------------------------------------------ data
+def test_sft_from_a_demonstrations_file_on_an_environment_without_an_expert(tmp_path):
+    from tests.fixtures import no_expert_env  # noqa: F401 - registers calc_no_expert
+    from tests.test_data import _chat_record
+
+    env = no_expert_env.CalculatorWithoutExpert()
+    demos = [_chat_record(env.sample_task(5000 + i, 1)) for i in range(16)]
+    path = str(tmp_path / "demos.jsonl")
+    from jaxrl_agent import data
+
+    data.write_jsonl(path, demos)
+    with open(path, "a") as f:
+        f.write("garbage\n")
+    config = _rl_only(tiny_config(tmp_path / "run"), iterations=1)
+    config.env.imports = "tests.fixtures.no_expert_env"
+    config.env.name = "calc_no_expert"
+    with pytest.raises(build.ConfigError, match="has no scripted expert; give data.demonstrations"):
+        config.sft.steps = 6
+        build.validate_config(config)
+    config.data.demonstrations = path
+    config.sft.warmup_steps = 1
+    config.sft.log_every = 1
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    (info,) = [r for r in records if r["stage"] == "data"]
+    assert info["demonstration_records"] == 16 and info["skipped_records"] == {"not_json": 1}
+    sft = [r for r in records if r["stage"] == "sft"]
+    assert [r["step"] for r in sft] == list(range(1, 7)) and sft[-1]["loss"] < sft[0]["loss"]
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [1]

@@ -50,6 +50,11 @@ class ProceduralTasks:
         self.rng = np.random.RandomState(seed)
         self.next_seed = 0
 
+    @property
+    def position(self) -> int:
+        """Tasks taken so far (the seed of the next one)."""
+        return self.next_seed
+
     def take(self, n: int) -> list[env_api.Task]:
         tasks = []
         for _ in range(n):
@@ -76,7 +81,8 @@ class RolloutSource:
     """Tasks -> submitted groups -> the iteration's trainable groups (see the module docstring).
 
     Args:
-      tasks: the task stream (`take(n)`, `state_dict()`, `load_state_dict()`).
+      tasks: the task stream (`take(n)`, `position`, `state_dict()`, `load_state_dict()`):
+        `ProceduralTasks` or `data.DatasetTasks`.
       runner: the episodes' runner; this source is its only user.
       schedule: sync / windowed FIFO / async, with its knobs.
       prompts_per_iteration: P, groups the learner takes per iteration.
