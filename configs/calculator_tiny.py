@@ -156,6 +156,15 @@ def get_config() -> ml_collections.ConfigDict:
     # replaces the reward when reward.weights is '') or {name: value} (more named components).
     # A function that raises scores 0 and is counted as reward/reward_fn_error. '' = none.
     config.reward.fn = ""
+    # A rubric LLM judge scoring every episode (component 'judge' in [0, 1]; weight it in
+    # reward.weights): '' = none, 'policy' = a frozen copy of the policy RL starts from, or a Hugging
+    # Face folder (same tokenizer). A reply with no usable score is counted (reward/judge_failed).
+    config.reward.judge = ""
+    config.reward.judge_rubric = ""  # Rubric items separated by ';' ('' = rewards.judge.DEFAULT_RUBRIC).
+    config.reward.judge_max_tokens = 16  # Longest judge reply, in tokens.
+    # MiniMax-M1's check: warn (judge/length_bias_warning = 1) when the correlation of judge
+    # scores with sampled length exceeds this (a judge that rewards verbosity gets exploited).
+    config.reward.length_bias_threshold = 0.5
 
     config.data = ml_collections.ConfigDict()
     # RL tasks: 'procedural' (each environment's seeded generator, env.train_difficulties), or task

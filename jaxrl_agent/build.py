@@ -351,9 +351,24 @@ def validate_config(config) -> None:
         need(name in envs.registered(), f"env.{'mixture' if config.env.mixture else 'name'}: environment "
              f"{name!r} is not registered (registered: {envs.registered()}; add its module to env.imports)")
     env_service_addresses(config)
-    reward_weights(config)
+    weights = reward_weights(config)
+    # Components a weight may name: the library's, and each environment's (tool environments
+    # declare theirs); a reward.fn may add any names, and other environments are not known here.
+    known = {"correctness", "format", "overlong", "turns", "wall_time", "success", "judge", "judge_failed",
+             "custom", "reward_fn_error"}
+    if weights and not config.reward.fn and all(issubclass(type(envs.make(n, **env_kwargs(config))),
+                                                           envs.ToolEnvironment) for n in mixture):
+        from jaxrl_agent.envs.api import DEFAULT_REWARD_WEIGHTS
+
+        unknown = sorted(set(weights) - known - set(DEFAULT_REWARD_WEIGHTS))
+        need(not unknown, f"reward.weights={config.reward.weights!r}: no component named {unknown}; known: "
+             f"{sorted(known | set(DEFAULT_REWARD_WEIGHTS))} (or add them with reward.fn)")
     if config.reward.fn:
         need(callable(import_object(config.reward.fn, "reward.fn")), f"reward.fn={config.reward.fn!r}: not a function")
+    judge = config.reward.judge
+    need(judge in ("", "policy") or os.path.isdir(judge),
+         f"reward.judge={judge!r}: expected '' (none), 'policy' or a Hugging Face model folder")
+    need(config.reward.judge_max_tokens >= 1, f"reward.judge_max_tokens={config.reward.judge_max_tokens}: expected >= 1")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
     from jaxrl_agent import data
@@ -373,6 +388,35 @@ def validate_config(config) -> None:
             except ValueError:
                 raise ConfigError(f"sft.steps={config.sft.steps}: environment {name!r} has no scripted expert; "
                                   "give data.demonstrations (a JSONL of chat records) or set sft.steps=0") from None
+
+
+def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, template):
+    """The `reward.judge` RubricJudge on a sampler of its own (never updated: a frozen judge), or None.
+
+    'policy' judges with `params` (the weights RL starts from); a folder with that checkpoint. The
+    judge's engine holds prompts of up to a power of two below the model's context less the reply.
+    """
+    from jaxrl_agent import rewards
+    from jaxrl_agent.sampling import LocalSampler
+    from jaxrl_agent.sampling.engine import AgentEngine
+
+    c = config.reward
+    if not c.judge:
+        return None
+    if c.judge != "policy":
+        model_config, host = models.load_hf(c.judge, dtype=config.checkpoint.param_dtype,
+                                            compute_dtype=config.checkpoint.compute_dtype)
+        params = sharding.place_params(host, None)
+        if tok.vocab_size > model_config.vocab_size:
+            raise ConfigError(f"reward.judge={c.judge!r}: its vocabulary ({model_config.vocab_size}) is smaller than "
+                              f"the tokenizer's ({tok.vocab_size})")
+    cache = min(model_config.max_position_embeddings, 4096)
+    prefill = 1 << (cache - c.judge_max_tokens).bit_length() - 1
+    engine = AgentEngine(model_config, params, tok, max_concurrent_decodes=config.sampler.max_concurrent_decodes,
+                         max_prefill_length=prefill, max_cache_length=prefill + c.judge_max_tokens,
+                         steps_per_call=config.sampler.steps_per_call, prefix_cache_entries=0, seed=config.seed + 7)
+    rubric = tuple(item.strip() for item in c.judge_rubric.split(";") if item.strip()) or rewards.judge.DEFAULT_RUBRIC
+    return rewards.RubricJudge(LocalSampler(engine), tok, template, rubric=rubric, max_tokens=c.judge_max_tokens)
 
 
 def build_task_stream(config, environments: "Environments", levels: dict, *, seed: int):

@@ -3,6 +3,7 @@
 The data path of one RL iteration, one downward pass:
 
   rollout.RolloutSource.next_groups()     tasks -> submitted groups -> the schedule's trainable groups
+  rewards.judge_groups()                  the rubric judge's component (when reward.judge is set)
   rollout.postprocess.postprocess()       reward shaping -> staleness -> advantages -> zero-signal filter
   replay.ReplayBuffer.insert() / take()   validation (rejections counted by reason)
   learner.rl_update()                     packed minibatches -> train_step (proximal log-probs first
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_agent import build, checkpoint, data, envs, evaluation, learner, losses, models, replay, rollout, sharding
+from jaxrl_agent import (build, checkpoint, data, envs, evaluation, learner, losses, models, replay, rewards, rollout,
+                         sharding)
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 from jaxrl_agent.sampling import SamplingParams
@@ -76,6 +78,7 @@ class Run:
     started: float  # monotonic time the run began (earlier segments of a resumed run counted in)
     rng: np.random.RandomState
     params: Any
+    judge: Any = None  # rewards.RubricJudge of reward.judge, built when RL starts
     version: int = 0
     trained_tokens_total: int = 0
     last_eval_seconds: float = 0.0
@@ -120,6 +123,8 @@ class Run:
             return {}
 
     def close(self) -> None:
+        if self.judge is not None:
+            self.judge.sampler.close()
         self.environments.close()
         if self.servers is not None:
             self.servers.close()
@@ -272,6 +277,10 @@ def run_rl(run: Run) -> None:
         run.buffer.load_state_dict(resume.replay)
         run.sampler.update_weights(run.params, run.version)
     reference = _reference_params(run, run.params) if run.objective.needs_reference else None
+    if config.reward.judge and run.judge is None:
+        # A frozen judge: its own copy of the weights (the learner's are donated at every step).
+        run.judge = build.build_judge(config, run.model_config, jax.tree.map(jnp.copy, run.params), run.tokenizer,
+                                      run.template)
     state = learner.init_state(run.params, optimizer, ref_params=reference, seed=config.seed)
     step_fn, _ = learner.jit_train_step(
         learner.make_train_step(run.model_config, optimizer, objective=run.objective,
@@ -358,6 +367,13 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     sampler_before = run.sampler_stats()
     groups = source.next_groups()
     sample_seconds = time.perf_counter() - started
+    judge_metrics = {}
+    if run.judge is not None:
+        groups, judge_metrics = rewards.judge_groups(run.judge, groups, run.tokenizer.decode,
+                                                     length_bias_threshold=config.reward.length_bias_threshold)
+        if judge_metrics.get("judge/length_bias_warning"):
+            print(f"warning: judge scores correlate with length ({judge_metrics['judge/length_bias']:.2f} > "
+                  f"reward.length_bias_threshold={config.reward.length_bias_threshold})", flush=True)
     processed = rollout.postprocess.postprocess(groups, run.postprocess, iteration=iteration,
                                                 current_version=run.version)
     source.observe(processed.shaped_groups, processed.metrics["nonzero_advantage_group_share"]
@@ -396,6 +412,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             "effective_samples_per_second": len(batch) / iteration_seconds,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
             "replay_rejected": dict(run.buffer.rejected),
+            **judge_metrics,
             **run.environments.stats(),
         })
     guards = metrics_lib.exploration_guards(record, entropy_floor=config.exploration.entropy_floor,

@@ -298,3 +298,21 @@ def test_sft_from_a_demonstrations_file_on_an_environment_without_an_expert(tmp_
     sft = [r for r in records if r["stage"] == "sft"]
     assert [r["step"] for r in sft] == list(range(1, 7)) and sft[-1]["loss"] < sft[0]["loss"]
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1]
+
+
+def test_a_frozen_policy_judge_and_reward_weights_from_the_config(tmp_path):
+    config = _rl_only(tiny_config(tmp_path), iterations=1)
+    config.reward.judge = "policy"
+    config.reward.judge_rubric = "1. correct"  # short: the character tokenizer spends a token per letter
+    config.reward.judge_max_tokens = 8
+    config.reward.weights = "correctness:1,judge:0.5,turns:0.01"
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    (rl,) = [r for r in records if r["stage"] == "rl"]
+    # An untrained judge rarely writes 'SCORE: n': its failures are counted, not fatal.
+    assert rl["judge/failures"] + (rl["judge/score_mean"] > 0) >= 1 and "judge/length_bias" in rl
+    assert rl["reward"] == pytest.approx(rl["reward/correctness"] + 0.5 * rl["reward/judge"]
+                                         + 0.01 * rl["reward/turns"], abs=1e-6)
+    assert rl["reward/judge_failed"] == pytest.approx(rl["judge/failures"] / rl["rollouts"])
+    config.reward.weights = "correctness:1,speed:2"
+    with pytest.raises(build.ConfigError, match=r"no component named \['speed'\]"):
+        build.validate_config(config)

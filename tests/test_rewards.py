@@ -79,3 +79,50 @@ def test_rubric_judge_end_to_end_with_the_tiny_model():
         assert isinstance(result.text, str)
         assert result.score is None or 0.0 <= result.score <= 1.0
     assert judge.failures == sum(r.score is None for r in results)
+
+
+class _LengthScoringSampler:
+    """A scripted judge: 'SCORE: n' with n growing with the transcript's length (a verbosity-biased
+    judge), or no score at all for transcripts containing 'X'."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def generate(self, prompt_ids, sampling):
+        from jaxrl_agent.sampling import Completion
+
+        text = self.tokenizer.decode(prompt_ids)
+        transcript = text.split("Transcript:")[1].split("Rubric:")[0]
+        reply = "no idea" if "X" in transcript else f"SCORE: {min(len(transcript) // 4, 10)}"
+        ids = tuple(self.tokenizer.encode(reply))
+        return Completion(ids, tuple(-0.1 for _ in ids), tuple(0 for _ in ids), "stop")
+
+
+def _episode(text, tokenizer, task_id):
+    from jaxrl_agent.replay import Trajectory
+
+    prompt, answer = tokenizer.encode("Q: 1+1=?"), tokenizer.encode(text)
+    tokens = np.asarray(prompt + answer, np.int32)
+    mask = np.asarray([0] * len(prompt) + [1] * len(answer), np.int32)
+    return Trajectory(tokens=tokens, loss_mask=mask, sampler_logprobs=np.where(mask == 1, -0.5, 0.0).astype(np.float32),
+                      policy_version=np.where(mask == 1, 0, -1).astype(np.int32), reward=0.0,
+                      reward_components={"correctness": 1.0}, task_id=task_id)
+
+
+def test_judge_groups_adds_the_component_counts_failures_and_flags_length_bias():
+    tokenizer = tok.CharTokenizer()
+    judge = rewards.RubricJudge(_LengthScoringSampler(tokenizer), tokenizer, tok.CHATML, rubric=("1. short",))
+    groups = [[_episode("a" * n, tokenizer, f"t{n}") for n in (4, 12, 20)], [_episode("bX", tokenizer, "tx")]]
+    judged, metrics = rewards.judge_groups(judge, groups, tokenizer.decode, length_bias_threshold=0.5)
+    scores = [t.reward_components["judge"] for t in judged[0]]
+    assert scores == sorted(scores) and scores[0] < scores[-1] <= 1.0
+    assert judged[1][0].reward_components == {"correctness": 1.0, "judge": 0.0, "judge_failed": 1.0}
+    assert metrics["judge/failures"] == 1.0 and metrics["judge/length_bias"] > 0.9
+    assert metrics["judge/length_bias_warning"] == 1.0
+    # The records handed in are untouched (each stage returns new ones).
+    assert "judge" not in groups[0][0].reward_components
+    # An unbiased judge (the same score for every length) raises no warning.
+    flat = rewards.RubricJudge(_LengthScoringSampler(tokenizer), tokenizer, tok.CHATML)
+    _, metrics = rewards.judge_groups(flat, [[_episode("a" * 40, tokenizer, "a"), _episode("a" * 44, tokenizer, "b")]],
+                                      tokenizer.decode)
+    assert "judge/length_bias_warning" not in metrics

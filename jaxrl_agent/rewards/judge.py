@@ -14,6 +14,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 from jaxrl_agent.sampling.types import SamplingParams
 
 DEFAULT_RUBRIC = (
@@ -79,3 +81,47 @@ class RubricJudge:
         if score is None:
             self.failures += 1
         return JudgeResult(score, text)
+
+
+def _transcript(trajectory, decode) -> tuple[str, str]:
+    """(task prompt, transcript after it) decoded from the episode's token ids."""
+    generated = np.flatnonzero(np.asarray(trajectory.loss_mask) == 1)
+    start = int(generated[0]) if generated.size else len(trajectory.tokens)
+    return decode(trajectory.tokens[:start]), decode(trajectory.tokens[start:])
+
+
+def judge_groups(judge: "RubricJudge", groups, decode, *, length_bias_threshold: float = 0.5
+                 ) -> tuple[list[list], dict[str, float]]:
+    """Scores every episode with the judge; returns new trajectories with the named component
+    'judge' (the score in [0, 1]; 0 and 'judge_failed' = 1 when the judge gave no usable score) and
+    metrics: mean score, failures, and the length-bias check of MiniMax-M1 (the Pearson correlation
+    of score with sampled length over the scored episodes; `judge/length_bias_warning` = 1 above
+    the threshold: a judge that rewards verbosity, which RL would learn to exploit)."""
+    import asyncio
+    import dataclasses
+
+    from jaxrl_agent.rewards.components import length_bias
+
+    episodes = [t for g in groups for t in g]
+
+    async def score_all():
+        return await asyncio.gather(*(judge.score(*_transcript(t, decode)) for t in episodes))
+
+    results = asyncio.run(score_all()) if episodes else []
+    scored = iter(results)
+    out = []
+    for g in groups:
+        new = []
+        for t in g:
+            result = next(scored)
+            components = {**t.reward_components, "judge": float(result.score or 0.0),
+                          "judge_failed": float(result.score is None)}
+            new.append(dataclasses.replace(t, reward_components=components))
+        out.append(new)
+    valid = [(r.score, t.generated_tokens) for r, t in zip(results, episodes) if r.score is not None]
+    bias = length_bias([s for s, _ in valid], [n for _, n in valid])
+    metrics = {"judge/score_mean": float(np.mean([s for s, _ in valid])) if valid else 0.0,
+               "judge/failures": float(len(results) - len(valid)), "judge/length_bias": bias}
+    if bias > length_bias_threshold:
+        metrics["judge/length_bias_warning"] = 1.0
+    return out, metrics

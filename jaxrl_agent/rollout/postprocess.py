@@ -13,7 +13,6 @@ Nothing here mutates a record it is given; each function returns new trajectorie
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -36,9 +35,10 @@ class RewardShaping:
     """How a trajectory's reward is recomputed from its named components.
 
     weights: {component: weight} over the environment's components (e.g. correctness, format,
-      efficiency) and the library's (`overlong`, `turns`, `wall_time`, `judge`, `custom`); empty =
-      keep the environment's reward and add the library's components that are switched on (the
-      overlong penalty when overlong_factor > 0).
+      efficiency) and the library's (`rewards.CompositeReward`: overlong, turns, wall_time; plus
+      `judge` and `custom`); empty = keep the environment's reward and add the library's
+      components that are switched on (the overlong penalty when overlong_factor > 0). A weight
+      naming a component the episode does not have raises (the config names no such component).
     overlong_factor, overlong_buffer, max_context: DAPO's soft overlong penalty on sampled tokens
       (0 = off); toggle_period: Kimi k1.5's Toggle (penalty only in 'budget' phases; 0 = always).
     reward_fn: a researcher's `fn(trajectory) -> float | {name: float}`, recorded as component
@@ -58,22 +58,17 @@ class RewardShaping:
 
 
 def shape_reward(t: Trajectory, shaping: RewardShaping, iteration: int) -> Trajectory:
-    """A new trajectory whose reward and components follow `shaping` (see RewardShaping)."""
+    """A new trajectory whose reward and components follow `shaping` (see RewardShaping).
+
+    With weights, the reward is `rewards.CompositeReward`'s weighted sum over the library's
+    components (overlong, turns, wall_time; correctness and format from the episode) with the
+    environment's own, the judge's and reward_fn's components taking precedence by name.
+    """
     from jaxrl_agent import rewards as rewards_lib
 
     if not shaping.active:
         return t
-    components = dict(t.reward_components)
     extra: dict[str, float] = {}
-    if shaping.overlong_factor > 0:
-        budget_phase = shaping.toggle_period <= 0 or \
-            rewards_lib.toggle_phase(iteration, shaping.toggle_period) == "budget"
-        extra["overlong"] = float(rewards_lib.overlong_penalty(
-            t.generated_tokens, shaping.max_context, shaping.overlong_buffer, shaping.overlong_factor)) \
-            if budget_phase else 0.0
-    if shaping.weights:
-        extra["turns"] = -float(max(len(t.turns) - 1, 0))
-        extra["wall_time"] = -float(sum(turn.get("sample_seconds", 0.0) for turn in t.turns))
     replaced = None
     if shaping.reward_fn is not None:
         try:
@@ -81,21 +76,30 @@ def shape_reward(t: Trajectory, shaping: RewardShaping, iteration: int) -> Traje
             if isinstance(value, Mapping):
                 extra.update({str(k): float(v) for k, v in value.items()})
             else:
-                extra["custom"] = float(value)
-                replaced = float(value)
-        except Exception as err:  # noqa: BLE001 - a reward function's bug is a recorded failure
-            extra["custom"] = 0.0
-            extra["reward_fn_error"] = 1.0
+                extra["custom"] = replaced = float(value)
+        except Exception:  # noqa: BLE001 - a reward function's bug is a recorded failure, not a crash
+            extra.update(custom=0.0, reward_fn_error=1.0)
             replaced = 0.0
-            del err
-    components.update(extra)
     if shaping.weights:
-        reward = float(sum(w * float(components.get(name, 0.0)) for name, w in shaping.weights.items()))
+        composite = rewards_lib.CompositeReward(weights=dict(shaping.weights), max_tokens=shaping.max_context,
+                                                overlong_buffer=shaping.overlong_buffer,
+                                                toggle_period=shaping.toggle_period)
+        breakdown = composite(success=bool(t.reward_components.get("success", 0.0)),
+                              sampled_tokens=t.generated_tokens, turns=len(t.turns),
+                              wall_time_s=float(sum(turn.get("sample_seconds", 0.0) for turn in t.turns)),
+                              iteration=iteration, extra={**t.reward_components, **extra})
+        reward, components = breakdown.total, breakdown.components
     else:
-        reward = (replaced if replaced is not None else float(t.reward)) + extra.get("overlong", 0.0)
-    if not math.isfinite(reward):
-        components["non_finite_reward"] = 1.0
-    return dataclasses.replace(t, reward=reward, reward_components=components)
+        components = {**t.reward_components, **extra}
+        reward = replaced if replaced is not None else float(t.reward)
+        if shaping.overlong_factor > 0:
+            budget_phase = shaping.toggle_period <= 0 or \
+                rewards_lib.toggle_phase(iteration, shaping.toggle_period) == "budget"
+            components["overlong"] = float(rewards_lib.overlong_penalty(
+                t.generated_tokens, shaping.max_context, shaping.overlong_buffer, shaping.overlong_factor)) \
+                if budget_phase else 0.0
+            reward += components["overlong"]
+    return dataclasses.replace(t, reward=float(reward), reward_components=components)
 
 
 def shape_rewards(groups: Sequence[Group], shaping: RewardShaping, iteration: int) -> list[list[Trajectory]]:
