@@ -290,10 +290,11 @@ def env_service_addresses(config) -> list[tuple[str, int]]:
     return addresses
 
 
-def validate_config(config) -> None:
+def validate_config(config, *, reward_fn_given: bool = False) -> None:
     """Checks every choice of the config before anything is built; raises ConfigError naming the
     key, the value and what was expected. Imports `env.imports` (user environments register there)
-    and resolves `rl.objective_fn`, but builds no model."""
+    and resolves `rl.objective_fn`, but builds no model. `reward_fn_given`: a reward function comes
+    from Python (it may add component names that reward.weights uses)."""
     from jaxrl_agent import envs
 
     def need(ok: bool, message: str):
@@ -356,7 +357,7 @@ def validate_config(config) -> None:
     # declare theirs); a reward.fn may add any names, and other environments are not known here.
     known = {"correctness", "format", "overlong", "turns", "wall_time", "success", "judge", "judge_failed",
              "custom", "reward_fn_error"}
-    if weights and not config.reward.fn and all(issubclass(type(envs.make(n, **env_kwargs(config))),
+    if weights and not config.reward.fn and not reward_fn_given and all(issubclass(type(envs.make(n, **env_kwargs(config))),
                                                            envs.ToolEnvironment) for n in mixture):
         from jaxrl_agent.envs.api import DEFAULT_REWARD_WEIGHTS
 

@@ -138,7 +138,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
               reward_fn: Callable | None = None) -> Run:
     """Validates the config, then builds every part of the run."""
     started = time.monotonic()  # the run's clock starts here (sampler servers start below)
-    build.validate_config(config)
+    build.validate_config(config, reward_fn_given=reward_fn is not None)
     objective = objective if objective is not None else build.build_objective(config)
     if not isinstance(objective, losses.Objective):
         raise build.ConfigError(f"objective={objective!r}: expected a losses.Objective (losses.make_objective)")

@@ -20,7 +20,7 @@ def test_model_api_example_runs():
 
 
 def test_environment_examples_run():
-    blocks = [b for b in _python_blocks() if "envs." in b and "datasets" not in b]
+    blocks = [b for b in _python_blocks() if "envs." in b and "datasets" not in b and "train_and_evaluate" not in b]
     assert len(blocks) == 2
     for block in blocks:
         namespace = {}
@@ -37,3 +37,20 @@ def test_sampling_example_runs():
     completion, later = namespace["completion"], namespace["later"]
     assert len(completion.token_ids) == len(completion.logprobs) == len(completion.versions) >= 1
     assert set(completion.versions) == {0} and set(later.versions) == {1}
+
+
+def test_research_script_example_runs(tmp_path, monkeypatch):
+    """README's "Bring your own" script: a pure loss, a reward component and a task file, trained."""
+    import json
+
+    block = next(b for b in _python_blocks() if "objective_from_loss" in b and "train_and_evaluate" in b)
+    assert len([line for line in block.splitlines() if line.strip()]) <= 20
+    monkeypatch.chdir(tmp_path)
+    block = block.replace('"configs/calculator_tiny.py"', repr(str(ROOT / "configs" / "calculator_tiny.py")))
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    records = [json.loads(line) for line in open(namespace["path"])]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2] and all("reward/brevity" in r for r in rl)
+    assert next(r for r in records if r["stage"] == "data")["task_records"] == 64
+    assert all(len(r["task_ids"]) == 8 for r in rl)
