@@ -83,7 +83,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Modules imported before any environment is made — in the trainer, in every env worker and
     # (pass them as --import) in launch/env_server.py: where your own `envs.register(...)` calls live.
     config.env.imports = ""  # Comma-separated module names ('' = none).
-    config.env.kwargs = ""  # JSON object of keyword arguments for the environment's factory ('' = none).
+    # JSON object of keyword arguments for the environment's factory (each one of a mixture; '' = none).
+    config.env.kwargs = ""
     # Several environments in one run: 'name:weight,...' (e.g. 'calculator:0.5,kb_search:0.5'),
     # each task's environment drawn with these weights; '' = env.name alone. Success, entropy,
     # signal share and evaluation are reported per environment.
@@ -150,7 +151,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.reward.toggle_period = 0  # Kimi Toggle: penalty only every other `period` iterations (0 = always).
     # The reward as 'name:weight,...' over named components: the environment's (calculator:
     # correctness, format, efficiency) and the library's (overlong, turns = -(turns - 1), wall_time =
-    # -sampling seconds, custom = reward.fn's value). '' = the environment's own reward (+ overlong).
+    # -sampling seconds, custom = reward.fn's value; the overlong weight is its factor, and
+    # overlong_factor is not used). '' = the environment's own reward (+ overlong_factor's penalty).
     config.reward.weights = ""
     # Your reward function, 'package.module:name': fn(trajectory) -> float (component 'custom'; it
     # replaces the reward when reward.weights is '') or {name: value} (more named components).

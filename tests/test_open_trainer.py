@@ -316,3 +316,27 @@ def test_a_frozen_policy_judge_and_reward_weights_from_the_config(tmp_path):
     config.reward.weights = "correctness:1,speed:2"
     with pytest.raises(build.ConfigError, match=r"no component named \['speed'\]"):
         build.validate_config(config)
+
+
+def _saved_like_the_policy(config, folder, seed):
+    """A Hugging Face folder holding a random model of the policy's shapes (another init seed)."""
+    model_config = models.ModelConfig.from_config_dict(config.model)
+    models.save_hf(str(folder), model_config, models.init_params(model_config, jax.random.PRNGKey(seed)))
+    return str(folder)
+
+
+def test_a_reference_and_a_judge_from_hugging_face_folders(tmp_path):
+    config = _rl_only(tiny_config(tmp_path / "initial"), iterations=1)
+    config.rl.kl_coef = 0.05
+    (initial,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    config = _rl_only(tiny_config(tmp_path / "folder"), iterations=1)
+    config.rl.kl_coef = 0.05
+    config.rl.reference = _saved_like_the_policy(config, tmp_path / "reference", seed=11)
+    config.reward.judge = _saved_like_the_policy(config, tmp_path / "judge", seed=12)
+    config.reward.judge_rubric = "1. correct"
+    config.reward.judge_max_tokens = 8
+    (folder,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    # The initial weights are the policy itself (the learning rate warms up from 0: KL 0 at the
+    # first updates); another model is not.
+    assert abs(initial["kl_k3/mean"]) < 1e-4 and folder["kl_k3/mean"] > 1e-3
+    assert folder["judge/failures"] + (folder["judge/score_mean"] > 0) >= 1 and "reward/judge" in folder
