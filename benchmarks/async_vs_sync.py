@@ -59,6 +59,7 @@ def main() -> None:
     common = [f"--config.sft.steps={args.sft_steps}", "--config.resume=True", "--config.rl.iterations=100000",
               f"--config.rl.stop_after_trained_tokens={args.trained_tokens}", "--config.eval.every=100000",
               "--config.rl.time_budget_minutes=0",
+              "--config.env.service=inprocess",  # the simulated latency wraps in-process environments
               f"--config.env.tool_latency_s={args.tool_latency_s}",
               f"--config.env.tool_latency_alpha={args.tool_latency_alpha}"]
     rows = []

@@ -89,10 +89,11 @@ def get_config() -> ml_collections.ConfigDict:
     # each task's environment drawn with these weights; '' = env.name alone. Success, entropy,
     # signal share and evaluation are reported per environment.
     config.env.mixture = ""
-    # Where environments run: 'inprocess' (threads of this process, with a step watchdog), 'pool'
-    # (worker processes: step timeouts and crash isolation) or 'host:port[,host:port...]' (remote
-    # launch/env_server.py servers, load-balanced by episode, failing over to the others).
-    config.env.service = "inprocess"
+    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; ~4% of
+    # an RL iteration here over 'inprocess', benchmarks/RESULTS.md), 'inprocess' (threads of this
+    # process, with a step watchdog: for trusted, cheap environments) or 'host:port[,host:port...]'
+    # (remote launch/env_server.py servers, load-balanced by episode, failing over to the others).
+    config.env.service = "pool"
     # A step that takes longer ends its episode as finish_reason 'env_timeout' (the run goes on).
     config.env.step_timeout_s = 30.0
     config.env.pool_workers = 2  # service='pool': worker processes.
@@ -101,7 +102,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Levels evaluated on held-out seeds: the RL levels (add 4, never trained nor demonstrated, as a
     # generalisation probe: it stays at 0 for this model; eval/success averages the RL levels only).
     config.env.eval_difficulties = "1,2,3"
-    config.env.step_threads = 64  # Threads running environment steps (blocking tools wait there).
+    config.env.step_threads = 64  # service='inprocess': threads running environment steps (blocking tools wait there).
     # Simulated tool latency (benchmarks): median seconds per tool call, Pareto tail (0 = none).
     config.env.tool_latency_s = 0.0
     config.env.tool_latency_alpha = 1.2  # Pareto tail index of that latency (smaller = heavier tail).

@@ -370,6 +370,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(judge in ("", "policy") or os.path.isdir(judge),
          f"reward.judge={judge!r}: expected '' (none), 'policy' or a Hugging Face model folder")
     need(config.reward.judge_max_tokens >= 1, f"reward.judge_max_tokens={config.reward.judge_max_tokens}: expected >= 1")
+    need(config.env.tool_latency_s <= 0 or config.env.service == "inprocess",
+         f"env.tool_latency_s={config.env.tool_latency_s} simulates latency on in-process environments only: "
+         f"set env.service='inprocess' (got {config.env.service!r})")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
     from jaxrl_agent import data
