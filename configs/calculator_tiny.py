@@ -176,6 +176,7 @@ def get_config() -> ml_collections.ConfigDict:
     # process, their position checkpointed. Malformed records are skipped and counted by reason.
     config.data.tasks = "procedural"
     config.data.shuffle = True  # Shuffle task records (seeded by `seed`); False = file order.
+    config.data.tfds_data_dir = ""  # Where 'tfds:' builders are generated and read ('' = TFDS's default).
     # SFT demonstrations: a JSONL of OpenAI-style {"messages": [...]} records (assistant turns are
     # trained on; tool_calls written in the tool protocol); '' = the environment's scripted expert.
     config.data.demonstrations = ""

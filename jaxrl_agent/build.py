@@ -432,7 +432,7 @@ def build_task_stream(config, environments: "Environments", levels: dict, *, see
         return rollout.source.ProceduralTasks(environments.environments, environments.weights, levels, seed=seed)
     return data.DatasetTasks(config.data.tasks, default_env=config.env.name, known_envs=list(environments.environments),
                              seed=seed, shuffle=config.data.shuffle, shard_index=jax.process_index(),
-                             shard_count=jax.process_count())
+                             shard_count=jax.process_count(), tfds_data_dir=config.data.tfds_data_dir)
 
 
 def build_advantage_fn(config):

@@ -46,7 +46,7 @@ def task_source_kind(spec: str) -> str:
                      "'tfds:<name>[/<config>]'")
 
 
-def _raw_records(spec: str) -> list[Any]:
+def _raw_records(spec: str, tfds_data_dir: str | None = None) -> list[Any]:
     kind = task_source_kind(spec)
     if kind == "jsonl":
         with open(spec, encoding="utf-8") as f:
@@ -59,7 +59,7 @@ def _raw_records(spec: str) -> list[Any]:
     from jaxrl_agent.envs import datasets  # imports TensorFlow Datasets only here
 
     name, _, builder_config = spec[len("tfds:"):].partition("/")
-    builder = datasets.prepare(name, config=builder_config or "default")
+    builder = datasets.prepare(name, data_dir=tfds_data_dir or None, config=builder_config or "default")
     source = builder.as_data_source(split="train")
     return [source[i] for i in range(len(source))]
 
@@ -104,10 +104,11 @@ class DatasetTasks:
       seed: shuffle seed (the same seed gives the same stream).
       shuffle: shuffle each epoch's order (False: file order).
       shard_index, shard_count: this process's disjoint share (jax.process_index(), process_count()).
+      tfds_data_dir: where TFDS builders are generated and read ('' or None = TFDS's default).
     """
 
     def __init__(self, spec: str, *, default_env: str, known_envs: Sequence[str], seed: int = 0,
-                 shuffle: bool = True, shard_index: int = 0, shard_count: int = 1):
+                 shuffle: bool = True, shard_index: int = 0, shard_count: int = 1, tfds_data_dir: str | None = None):
         import grain
 
         if not 0 <= shard_index < shard_count:
@@ -116,7 +117,7 @@ class DatasetTasks:
         self.skipped: collections.Counter[str] = collections.Counter()
         tasks = []
         origin = os.path.basename(spec)
-        for i, raw in enumerate(_raw_records(spec)):
+        for i, raw in enumerate(_raw_records(spec, tfds_data_dir)):
             task, reason = parse_task(raw, i, origin=origin, default_env=default_env, known_envs=known_envs)
             if task is None:
                 self.skipped[reason] += 1

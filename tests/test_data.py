@@ -117,3 +117,13 @@ def test_bad_data_config_values_are_rejected(tmp_path):
         config.data[key] = value
         with pytest.raises(build.ConfigError, match=f"data.{key}=.*{message}"):
             build.validate_config(config)
+
+
+def test_a_tfds_builder_as_the_task_source(tmp_path):
+    pytest.importorskip("tensorflow_datasets")
+    stream = data.DatasetTasks("tfds:calculator/tiny", default_env="calculator", known_envs=["calculator"],
+                               shuffle=False, tfds_data_dir=str(tmp_path))
+    assert stream.size == 32 * len(CALC.difficulties) and not stream.skipped
+    task = stream.take(1)[0]
+    seed = int(task.id.rsplit("/", 1)[1])
+    assert CALC.sample_task(seed, task.difficulty) == task
