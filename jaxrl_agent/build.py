@@ -397,7 +397,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
 def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, template):
     """The `reward.judge` RubricJudge on a sampler of its own (never updated: a frozen judge), or None.
 
-    'policy' judges with `params` (the weights RL starts from); a folder with that checkpoint. The
+    'policy' judges with `params` (a frozen copy of the weights RL starts from); a folder with that
+    checkpoint (`params` unused). The
     judge's engine holds prompts of up to a power of two below the model's context less the reply.
     """
     from jaxrl_agent import rewards

@@ -79,6 +79,7 @@ class Run:
     rng: np.random.RandomState
     params: Any
     judge: Any = None  # rewards.RubricJudge of reward.judge, built when RL starts
+    judge_params: Any = None  # reward.judge='policy': the frozen weights it judges with (checkpointed)
     version: int = 0
     trained_tokens_total: int = 0
     last_eval_seconds: float = 0.0
@@ -106,9 +107,7 @@ class Run:
         self.sampler.update_weights(params, self.version)
 
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
-        arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
-        if state.ref_params is not None:
-            arrays["ref_params"] = state.ref_params
+        arrays = _checkpointed_arrays(state, self.judge_params)
         self.checkpointer.save(self.config.sft.steps + iteration, arrays, checkpoint.RunState(
             stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
             trained_tokens_total=self.trained_tokens_total,
@@ -277,10 +276,10 @@ def run_rl(run: Run) -> None:
         run.buffer.load_state_dict(resume.replay)
         run.sampler.update_weights(run.params, run.version)
     reference = _reference_params(run, run.params) if run.objective.needs_reference else None
-    if config.reward.judge and run.judge is None:
-        # A frozen judge: its own copy of the weights (the learner's are donated at every step).
-        run.judge = build.build_judge(config, run.model_config, jax.tree.map(jnp.copy, run.params), run.tokenizer,
-                                      run.template)
+    if config.reward.judge == "policy":
+        # A frozen judge: its own copy of the weights RL starts from (the learner's are donated at
+        # every step); a resumed run restores the copy from its checkpoint below.
+        run.judge_params = jax.tree.map(jnp.copy, run.params)
     state = learner.init_state(run.params, optimizer, ref_params=reference, seed=config.seed)
     step_fn, _ = learner.jit_train_step(
         learner.make_train_step(run.model_config, optimizer, objective=run.objective,
@@ -306,12 +305,10 @@ def run_rl(run: Run) -> None:
     first_iteration = 1
     if resume is not None:
         if resume.stage == "rl":
-            arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
-            if state.ref_params is not None:
-                arrays["ref_params"] = state.ref_params
-            restored = run.checkpointer.restore_state(arrays)
+            restored = run.checkpointer.restore_state(_checkpointed_arrays(state, run.judge_params))
             state = state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"],
                                   ref_params=restored.get("ref_params", state.ref_params))
+            run.judge_params = restored.get("judge_params", run.judge_params)
             run.params, run.version = restored["params"], resume.version
             run.trained_tokens_total = resume.trained_tokens_total
             checkpoint.set_rng_state(run.rng, resume.rng)
@@ -320,6 +317,8 @@ def run_rl(run: Run) -> None:
             run.sampler.update_weights(run.params, run.version)
             first_iteration = resume.iteration + 1
         run.writer.write("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
+    if config.reward.judge and run.judge is None:
+        run.judge = build.build_judge(config, run.model_config, run.judge_params, run.tokenizer, run.template)
     durations: list[float] = []  # RL iterations' wall time, evaluations and checkpoints included
     try:
         for iteration in range(first_iteration, c.iterations + 1):
@@ -343,6 +342,17 @@ def run_rl(run: Run) -> None:
                 break
     finally:
         runner.close()
+
+
+def _checkpointed_arrays(state: learner.TrainState, judge_params) -> dict[str, Any]:
+    """The arrays a checkpoint holds: the learner state, and the frozen reference and judge
+    weights when the run has them (a resumed run must judge and regularise against the same ones)."""
+    arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    if state.ref_params is not None:
+        arrays["ref_params"] = state.ref_params
+    if judge_params is not None:
+        arrays["judge_params"] = judge_params
+    return arrays
 
 
 def _allocator(run: Run) -> rollout.TaskAllocator | None:

@@ -340,3 +340,34 @@ def test_a_reference_and_a_judge_from_hugging_face_folders(tmp_path):
     # first updates); another model is not.
     assert abs(initial["kl_k3/mean"]) < 1e-4 and folder["kl_k3/mean"] > 1e-3
     assert folder["judge/failures"] + (folder["judge/score_mean"] > 0) >= 1 and "reward/judge" in folder
+
+
+def test_resume_keeps_the_frozen_reference_and_judge(tmp_path):
+    import orbax.checkpoint as ocp
+
+    from jaxrl_agent import checkpoint
+
+    config = _rl_only(tiny_config(tmp_path), iterations=1)
+    config.sft.steps = 2
+    config.checkpoint.every = 1
+    config.rl.kl_coef = 0.05
+    config.reward.judge = "policy"
+    config.reward.judge_rubric = "1. correct"
+    config.reward.judge_max_tokens = 8
+    trainer.train_and_evaluate(config, quiet=True)
+    saved = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), 2)
+    arrays = saved.manager.restore(saved.manager.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(None)))["state"]
+    saved.close()
+    # Both are the weights RL started from (after SFT), not the weights trained since.
+    leaves = lambda name: jax.tree.leaves(arrays[name])
+    assert all(np.array_equal(a, b) for a, b in zip(leaves("judge_params"), leaves("ref_params")))
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves("judge_params"), leaves("params")))
+    config.resume = True
+    config.rl.iterations = 2
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    # Regularised against the restored post-SFT weights: two small updates away (a fresh random
+    # reference would be ~1e-2 away, as the Hugging Face folder test shows).
+    assert rl[-1]["kl_k3/mean"] < 1e-3 and "judge/failures" in rl[-1]
