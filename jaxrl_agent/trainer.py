@@ -133,11 +133,25 @@ class Run:
         self.writer.close()
 
 
+def _check_workdir(config, workdir: str) -> None:
+    """A workdir that already holds a run is continued (resume=True) or refused: a new run never
+    appends to another's metrics or collides with its checkpoint steps."""
+    if config.resume:
+        return
+    held = [name for name in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(workdir, name))
+            and (name != "checkpoints" or os.listdir(os.path.join(workdir, name)))]
+    if held:
+        raise build.ConfigError(
+            f"workdir={workdir!r} already holds a run ({', '.join(held)}): pass --config.resume=True to continue "
+            "it, or choose another --config.workdir (or delete that folder) to start a new one")
+
+
 def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Objective | None = None,
               reward_fn: Callable | None = None) -> Run:
     """Validates the config, then builds every part of the run."""
     started = time.monotonic()  # the run's clock starts here (sampler servers start below)
     build.validate_config(config, reward_fn_given=reward_fn is not None)
+    _check_workdir(config, workdir)
     objective = objective if objective is not None else build.build_objective(config)
     if not isinstance(objective, losses.Objective):
         raise build.ConfigError(f"objective={objective!r}: expected a losses.Objective (losses.make_objective)")
@@ -432,12 +446,24 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         print(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
               f"solutions per task {record['distinct_solutions']:.2f})", flush=True)
     record.update(guards)
-    run.writer.write("rl", iteration, record)
+    run.writer.write("rl", iteration, record, console=_console_line(run, iteration, record, iteration_seconds))
     if _every(config.checkpoint.every, iteration) or iteration == config.rl.iterations:
         run.save("rl", iteration, state, source)
     if _every(config.eval.every, iteration) or iteration == config.rl.iterations:
         run.writer.write("rl_eval", iteration, run.evaluate())
     return state
+
+
+def _console_line(run: Run, iteration: int, record: dict, seconds: float) -> str:
+    """The few numbers a person watches per RL iteration (metrics.jsonl has the whole record)."""
+    left = run.config.rl.iterations - iteration
+    budget = 60.0 * run.config.rl.time_budget_minutes
+    eta = left * seconds if budget <= 0 else min(left * seconds, max(budget - run.elapsed_seconds(), 0.0))
+    entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
+    return (f"[rl {iteration}/{run.config.rl.iterations}] success={record['success']:.3f} "
+            f"reward={record['reward']:.3f} signal={record['nonzero_advantage_group_share']:.2f} "
+            f"entropy={min(entropies) if entropies else 0.0:.3f} loss={record.get('loss', 0.0):.4g} "
+            f"tokens/s={record['trained_tokens_per_second']:.0f} {seconds:.1f}s/it eta={eta / 60:.1f}min")
 
 
 def _time_for_another_iteration(run: Run, durations: list[float]) -> bool:

@@ -371,3 +371,19 @@ def test_resume_keeps_the_frozen_reference_and_judge(tmp_path):
     # Regularised against the restored post-SFT weights: two small updates away (a fresh random
     # reference would be ~1e-2 away, as the Hugging Face folder test shows).
     assert rl[-1]["kl_k3/mean"] < 1e-3 and "judge/failures" in rl[-1]
+
+
+def test_a_compact_console_line_per_iteration_and_a_used_workdir_is_refused(tmp_path, capsys):
+    config = _rl_only(tiny_config(tmp_path), iterations=2)
+    path = trainer.train_and_evaluate(config)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rl ")]
+    assert [line.split("]")[0] for line in lines] == ["[rl 1/2", "[rl 2/2"]
+    assert all(len(line) < 160 and "success=" in line and "eta=" in line for line in lines)
+    # The file still has the whole record (every objective metric among them).
+    rl = [r for r in _records(path) if r["stage"] == "rl"]
+    assert len(rl) == 2 and all(len(r) > 40 and "mirror_descent/loss" in r for r in rl if r["trained_trajectories"])
+    written = len(_records(path))
+    with pytest.raises(build.ConfigError, match=r"already holds a run \(metrics.jsonl, checkpoints\): pass "
+                                                r"--config.resume=True to continue it, or choose another"):
+        trainer.train_and_evaluate(config, quiet=True)
+    assert len(_records(path)) == written  # nothing appended

@@ -28,7 +28,9 @@ class MetricsWriter:
             self._pb = (event_pb2, summary_pb2)
             self._tb = EventFileWriter(os.path.join(workdir, "tensorboard"))
 
-    def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
+    def write(self, stage: str, step: int, metrics: dict[str, Any], *, console: str | None = None) -> None:
+        """Writes one record; `console` replaces the full line on the console (the record's file and
+        TensorBoard entries are complete either way)."""
         record = {"stage": stage, "step": step, "time": time.time(),
                   **{k: plain(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
@@ -40,7 +42,9 @@ class MetricsWriter:
             self._tb.add_event(event_pb2.Event(wall_time=record["time"], step=int(step),
                                                summary=summary_pb2.Summary(value=values)))
             self._tb.flush()
-        if not self.quiet:
+        if not self.quiet and console is not None:
+            print(console, flush=True)
+        elif not self.quiet:
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
                              if k not in ("stage", "step", "time") and not isinstance(v, (list, dict)))
             print(f"[{stage} {step}] {shown}", flush=True)
