@@ -440,9 +440,11 @@ def build_advantage_fn(config):
     """`rl.advantage` as a function rewards [G, N] -> advantages [G, N]."""
     from jaxrl_agent import losses
 
+    from jaxrl_agent.rollout.postprocess import dr_grpo_advantages
+
     name, tau = config.rl.advantage, config.rl.tau
     return {"grpo": lambda r: losses.group_advantages(r, normalize_std=True),
-            "dr_grpo": lambda r: losses.group_advantages(r, normalize_std=False),
+            "dr_grpo": dr_grpo_advantages,
             "rloo": losses.rloo_advantages,
             "ploo": lambda r: losses.ploo_advantages(r, tau=tau)}[name]
 
@@ -569,3 +571,97 @@ class Environments:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if self.service is not None:
             self.service.close()
+
+
+def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.Mesh, params, *, sft: bool = False,
+                  objective=None, ref_params=None):
+    """(train state, jitted train step) for SFT (`config.sft`) or RL (`config.rl`, with `objective`
+    and the frozen `ref_params` when it needs them)."""
+    from jaxrl_agent import learner
+
+    c = config.sft if sft else config.rl
+    total = c.steps if sft else c.iterations * c.minibatches
+    optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps, total_steps=total,
+                                       grad_clip_norm=config.learner.grad_clip_norm)
+    state = learner.init_state(params, optimizer, ref_params=ref_params, seed=config.seed)
+    step_fn, _ = learner.jit_train_step(
+        learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
+                                microbatches=config.learner.microbatches,
+                                temperature=1.0 if sft else config.rollout.temperature,
+                                logits_chunk=config.learner.logits_chunk), state, mesh)
+    return state, step_fn
+
+
+def build_reference(config, mesh: jax.sharding.Mesh, params):
+    """The frozen reference of `rl.reference`: a copy of the weights RL starts from (`params`), or
+    a Hugging Face folder whose parameters must have the policy's shapes."""
+    import jax.numpy as jnp
+
+    reference = config.rl.reference
+    if reference in ("initial", "sft"):
+        return jax.tree.map(jnp.copy, params)
+    ref_config, host = models.load_hf(reference, dtype=config.checkpoint.param_dtype)
+    placed = sharding.place_params(host, mesh)
+    if jax.tree.structure(placed) != jax.tree.structure(params) or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params))):
+        raise ConfigError(f"rl.reference={reference!r}: its parameters ({ref_config.architecture}) do not match "
+                          "the policy's shapes")
+    return jax.tree.map(lambda p, t: p.astype(t.dtype), placed, params)
+
+
+def build_demonstrations(config, environments: "Environments", levels: dict, tok, template, *, first_seed: int):
+    """SFT data: `data.demonstrations` (a chat JSONL), else the environments' scripted experts on
+    their own task seeds from `first_seed` (`sft.num_demonstrations` of them, or fresh ones)."""
+    from jaxrl_agent import data, envs, rollout
+
+    path = config.data.demonstrations
+    if path:
+        pool, skipped = data.read_demonstrations(path, tok, template, env=config.env.name)
+        if not pool:
+            raise ConfigError(f"data.demonstrations={path!r}: no usable records (skipped: {skipped})")
+        return data.Demonstrations(pool, info={"demonstrations": path, "demonstration_records": len(pool),
+                                               "skipped_records": skipped})
+    tasks = rollout.source.ProceduralTasks(environments.environments, environments.weights, levels,
+                                           seed=config.seed + 2)
+    tasks.next_seed = first_seed
+
+    def demonstrate(n):
+        return [rollout.expert_trajectory(environments.environments[t.env], t, envs.expert_policy(t.env), tok,
+                                          template, include_system_prompt=config.rollout.include_system_prompt)
+                for t in tasks.take(n)]
+
+    return data.Demonstrations(demonstrate(config.sft.num_demonstrations), fresh=demonstrate)
+
+
+def build_allocator(config, environments: "Environments", levels: dict):
+    """The RL task pool and its allocation rule (`config.allocation`); None = a fresh task per group.
+    The pool is the first `task_pool` tasks of a stream of its own (seed + 1)."""
+    from jaxrl_agent import rollout
+
+    a, r = config.allocation, config.rollout
+    if a.task_pool <= 0:
+        return None
+    pool = build_task_stream(config, environments, levels, seed=config.seed + 1).take(a.task_pool)
+    return rollout.TaskAllocator(
+        pool, a.strategy, r.group_size, candidates=a.candidates, max_group=a.max_group, decay=a.decay,
+        min_group=max(2, r.group_size // 2) if a.strategy == "until_mixed" else None,
+        retire_threshold=a.retire_threshold, retire_min_evidence=a.retire_min_evidence,
+        revisit_prob=a.revisit_prob, seed=config.seed + 1)
+
+
+def build_rollout_source(config, sampler, environments: "Environments", tok, template, settings, levels: dict):
+    """The RL rollout source: the schedule of `config.rollout`, a runner for its episodes, the task
+    stream of `data.tasks` and the allocator of `config.allocation`."""
+    from jaxrl_agent import rollout
+
+    r = config.rollout
+    schedule = rollout.Schedule(mode=r.schedule, window=r.window, max_staleness=r.max_staleness,
+                                stale_policy=r.stale_policy, token_budget=r.token_budget,
+                                groups_in_flight=r.groups_in_flight)
+    runner = rollout.RolloutRunner(sampler, environments.make_env, tok, template, settings, r.group_size,
+                                   token_budget=schedule.token_budget, seed=config.seed)
+    return rollout.source.RolloutSource(
+        build_task_stream(config, environments, levels, seed=config.seed), runner, schedule,
+        prompts_per_iteration=r.prompts_per_iteration, group_size=r.group_size,
+        allocator=build_allocator(config, environments, levels), dynamic_sampling=config.allocation.dynamic_sampling,
+        max_group=config.allocation.max_group)

@@ -95,3 +95,37 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def learner_arrays(state, judge_params=None) -> dict[str, Any]:
+    """The arrays a checkpoint holds: the learner state, and the frozen reference and judge
+    weights when the run has them (a resumed run must judge and regularise against the same ones)."""
+    arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    if state.ref_params is not None:
+        arrays["ref_params"] = state.ref_params
+    if judge_params is not None:
+        arrays["judge_params"] = judge_params
+    return arrays
+
+
+def restore_learner(checkpointer: Checkpointer, state, judge_params=None):
+    """(state, judge_params) from the latest checkpoint, in the shapes and shardings of the given ones."""
+    restored = checkpointer.restore_state(learner_arrays(state, judge_params))
+    state = state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"],
+                          ref_params=restored.get("ref_params", state.ref_params))
+    return state, restored.get("judge_params", judge_params)
+
+
+def check_workdir(workdir: str, *, resume: bool) -> None:
+    """A workdir that already holds a run is continued (resume=True) or refused: a new run never
+    appends to another's metrics or collides with its checkpoint steps."""
+    if resume:
+        return
+    held = [name for name in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(workdir, name))
+            and (name != "checkpoints" or os.listdir(os.path.join(workdir, name)))]
+    if held:
+        from jaxrl_agent.build import ConfigError
+
+        raise ConfigError(
+            f"workdir={workdir!r} already holds a run ({', '.join(held)}): pass --config.resume=True to continue "
+            "it, or choose another --config.workdir (or delete that folder) to start a new one")

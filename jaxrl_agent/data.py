@@ -235,3 +235,19 @@ def write_jsonl(path: str, records: Iterable[Mapping[str, Any]]) -> str:
         for record in records:
             f.write(json.dumps(record) + "\n")
     return path
+
+
+class Demonstrations:
+    """SFT examples: a finite pool revisited over epochs (a demonstrations file, or a fixed set of
+    expert episodes), or — with an empty pool — fresh episodes from `fresh(n)` at every step.
+    `info` is what the run records about a file's records (None for expert episodes)."""
+
+    def __init__(self, pool: Sequence[Trajectory], fresh=None, info: Mapping[str, Any] | None = None):
+        if not pool and fresh is None:
+            raise ValueError("Demonstrations need a pool or a source of fresh episodes")
+        self.pool, self.fresh, self.info = list(pool), fresh, info
+
+    def sample(self, rng: np.random.RandomState, n: int) -> list[Trajectory]:
+        if self.pool:
+            return [self.pool[i] for i in rng.randint(len(self.pool), size=n)]
+        return self.fresh(n)

@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_agent import (build, checkpoint, data, envs, evaluation, learner, losses, models, replay, rewards, rollout,
-                         sharding)
+from jaxrl_agent import build, checkpoint, evaluation, learner, losses, models, replay, rewards, rollout, sharding
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 from jaxrl_agent.sampling import SamplingParams
@@ -107,7 +106,7 @@ class Run:
         self.sampler.update_weights(params, self.version)
 
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
-        arrays = _checkpointed_arrays(state, self.judge_params)
+        arrays = checkpoint.learner_arrays(state, self.judge_params)
         self.checkpointer.save(self.config.sft.steps + iteration, arrays, checkpoint.RunState(
             stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
             trained_tokens_total=self.trained_tokens_total,
@@ -133,25 +132,12 @@ class Run:
         self.writer.close()
 
 
-def _check_workdir(config, workdir: str) -> None:
-    """A workdir that already holds a run is continued (resume=True) or refused: a new run never
-    appends to another's metrics or collides with its checkpoint steps."""
-    if config.resume:
-        return
-    held = [name for name in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(workdir, name))
-            and (name != "checkpoints" or os.listdir(os.path.join(workdir, name)))]
-    if held:
-        raise build.ConfigError(
-            f"workdir={workdir!r} already holds a run ({', '.join(held)}): pass --config.resume=True to continue "
-            "it, or choose another --config.workdir (or delete that folder) to start a new one")
-
-
 def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Objective | None = None,
               reward_fn: Callable | None = None) -> Run:
     """Validates the config, then builds every part of the run."""
     started = time.monotonic()  # the run's clock starts here (sampler servers start below)
     build.validate_config(config, reward_fn_given=reward_fn is not None)
-    _check_workdir(config, workdir)
+    checkpoint.check_workdir(workdir, resume=config.resume)
     objective = objective if objective is not None else build.build_objective(config)
     if not isinstance(objective, losses.Objective):
         raise build.ConfigError(f"objective={objective!r}: expected a losses.Objective (losses.make_objective)")
@@ -205,41 +191,15 @@ def run_sft(run: Run) -> None:
     config, c = run.config, run.config.sft
     if c.steps <= 0 or run.resume is not None:
         return
-    optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
-                                       total_steps=c.steps, grad_clip_norm=config.learner.grad_clip_norm)
-    state = learner.init_state(run.params, optimizer, seed=config.seed)
-    step_fn, _ = learner.jit_train_step(
-        learner.make_train_step(run.model_config, optimizer, sft=True, microbatches=config.learner.microbatches,
-                                logits_chunk=config.learner.logits_chunk), state, run.mesh)
+    state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, sft=True)
     row_multiple = learner.row_multiple_for(run.mesh, config.learner.row_multiple)
-    tasks = rollout.source.ProceduralTasks(run.environments.environments, run.environments.weights,
-                                           run.sft_levels, seed=config.seed + 2)
-    tasks.next_seed = DEMONSTRATION_SEED_OFFSET
-
-    def demonstrate(task):
-        env = run.environments.environments[task.env]
-        return rollout.expert_trajectory(env, task, envs.expert_policy(task.env), run.tokenizer, run.template,
-                                         include_system_prompt=config.rollout.include_system_prompt)
-
-    if config.data.demonstrations:
-        # A demonstrations file (chat records), revisited over epochs.
-        pool, skipped_records = data.read_demonstrations(config.data.demonstrations, run.tokenizer, run.template,
-                                                         env=config.env.name)
-        run.writer.write("data", 0, {"demonstrations": config.data.demonstrations, "demonstration_records": len(pool),
-                                     "skipped_records": skipped_records})
-        if not pool:
-            raise build.ConfigError(f"data.demonstrations={config.data.demonstrations!r}: no usable records "
-                                    f"(skipped: {skipped_records})")
-    else:
-        # A finite set of expert demonstrations (sft.num_demonstrations > 0), revisited over
-        # epochs, or fresh ones every step.
-        pool = [demonstrate(t) for t in tasks.take(c.num_demonstrations)]
+    demonstrations = build.build_demonstrations(config, run.environments, run.sft_levels, run.tokenizer, run.template,
+                                                first_seed=DEMONSTRATION_SEED_OFFSET)
+    if demonstrations.info is not None:
+        run.writer.write("data", 0, demonstrations.info)
     skipped, start = 0, time.perf_counter()
     for step in range(1, c.steps + 1):
-        if pool:
-            trajectories = [pool[i] for i in run.rng.randint(len(pool), size=c.batch_size)]
-        else:
-            trajectories = [demonstrate(t) for t in tasks.take(c.batch_size)]
+        trajectories = demonstrations.sample(run.rng, c.batch_size)
         # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
         fitting = [t for t in trajectories if t.length <= config.learner.row_length]
         skipped += len(trajectories) - len(fitting)
@@ -260,27 +220,10 @@ def run_sft(run: Run) -> None:
 
 
 # -------------------------------------------------------------------------------------------- RL
-def _reference_params(run: Run, params):
-    """The frozen reference of `rl.reference`: the weights RL starts from, or a Hugging Face folder."""
-    reference = run.config.rl.reference
-    if reference in ("initial", "sft"):
-        return jax.tree.map(jnp.copy, params)
-    ref_config, host = models.load_hf(reference, dtype=run.config.checkpoint.param_dtype)
-    placed = sharding.place_params(host, run.mesh)
-    if jax.tree.structure(placed) != jax.tree.structure(params) or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params))):
-        raise build.ConfigError(f"rl.reference={reference!r}: its parameters ({ref_config.architecture}) do not "
-                                "match the policy's shapes")
-    return jax.tree.map(lambda p, t: p.astype(t.dtype), placed, params)
-
-
 def run_rl(run: Run) -> None:
     config, c, r = run.config, run.config.rl, run.config.rollout
     if c.iterations <= 0:
         return
-    optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
-                                       total_steps=c.iterations * c.minibatches,
-                                       grad_clip_norm=config.learner.grad_clip_norm)
     resume = run.resume
     if resume is not None and resume.stage != "rl":
         # The latest checkpoint is the one after SFT: start RL fresh from its weights.
@@ -289,41 +232,26 @@ def run_rl(run: Run) -> None:
         checkpoint.set_rng_state(run.rng, resume.rng)
         run.buffer.load_state_dict(resume.replay)
         run.sampler.update_weights(run.params, run.version)
-    reference = _reference_params(run, run.params) if run.objective.needs_reference else None
+    reference = build.build_reference(config, run.mesh, run.params) if run.objective.needs_reference else None
     if config.reward.judge == "policy":
         # A frozen judge: its own copy of the weights RL starts from (the learner's are donated at
         # every step); a resumed run restores the copy from its checkpoint below.
         run.judge_params = jax.tree.map(jnp.copy, run.params)
-    state = learner.init_state(run.params, optimizer, ref_params=reference, seed=config.seed)
-    step_fn, _ = learner.jit_train_step(
-        learner.make_train_step(run.model_config, optimizer, objective=run.objective,
-                                microbatches=config.learner.microbatches, temperature=r.temperature,
-                                logits_chunk=config.learner.logits_chunk), state, run.mesh)
+    state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, objective=run.objective,
+                                         ref_params=reference)
     proximal = learner.make_proximal_logprobs(run.model_config, run.mesh, temperature=r.temperature,
                                               logits_chunk=config.learner.logits_chunk) \
         if run.objective.needs_proximal else None
-    schedule = rollout.Schedule(mode=r.schedule, window=r.window, max_staleness=r.max_staleness,
-                                stale_policy=r.stale_policy, token_budget=r.token_budget,
-                                groups_in_flight=r.groups_in_flight)
-    runner = rollout.RolloutRunner(run.sampler, run.environments.make_env, run.tokenizer, run.template,
-                                   run.episode_settings(r.temperature), r.group_size,
-                                   token_budget=schedule.token_budget, seed=config.seed)
-    tasks = build.build_task_stream(config, run.environments, run.train_levels, seed=config.seed)
+    source = build.build_rollout_source(config, run.sampler, run.environments, run.tokenizer, run.template,
+                                        run.episode_settings(r.temperature), run.train_levels)
     if config.data.tasks != "procedural":
-        run.writer.write("data", 0, {"tasks": config.data.tasks, "task_records": tasks.size,
-                                     "skipped_records": dict(tasks.skipped)})
-    source = rollout.source.RolloutSource(
-        tasks, runner, schedule, prompts_per_iteration=r.prompts_per_iteration, group_size=r.group_size,
-        allocator=_allocator(run), dynamic_sampling=config.allocation.dynamic_sampling,
-        max_group=config.allocation.max_group)
+        run.writer.write("data", 0, {"tasks": config.data.tasks, "task_records": source.tasks.size,
+                                     "skipped_records": dict(source.tasks.skipped)})
     first_iteration = 1
     if resume is not None:
         if resume.stage == "rl":
-            restored = run.checkpointer.restore_state(_checkpointed_arrays(state, run.judge_params))
-            state = state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"],
-                                  ref_params=restored.get("ref_params", state.ref_params))
-            run.judge_params = restored.get("judge_params", run.judge_params)
-            run.params, run.version = restored["params"], resume.version
+            state, run.judge_params = checkpoint.restore_learner(run.checkpointer, state, run.judge_params)
+            run.params, run.version = state.params, resume.version
             run.trained_tokens_total = resume.trained_tokens_total
             checkpoint.set_rng_state(run.rng, resume.rng)
             run.buffer.load_state_dict(resume.replay)
@@ -355,33 +283,7 @@ def run_rl(run: Run) -> None:
                                                        "elapsed_seconds": run.elapsed_seconds()})
                 break
     finally:
-        runner.close()
-
-
-def _checkpointed_arrays(state: learner.TrainState, judge_params) -> dict[str, Any]:
-    """The arrays a checkpoint holds: the learner state, and the frozen reference and judge
-    weights when the run has them (a resumed run must judge and regularise against the same ones)."""
-    arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
-    if state.ref_params is not None:
-        arrays["ref_params"] = state.ref_params
-    if judge_params is not None:
-        arrays["judge_params"] = judge_params
-    return arrays
-
-
-def _allocator(run: Run) -> rollout.TaskAllocator | None:
-    """The RL task pool and its allocation rule (`config.allocation`); None = a fresh task per group.
-    The pool is the first `task_pool` tasks of a stream of its own (seed + 1)."""
-    config = run.config
-    a, r = config.allocation, config.rollout
-    if a.task_pool <= 0:
-        return None
-    pool = build.build_task_stream(config, run.environments, run.train_levels, seed=config.seed + 1).take(a.task_pool)
-    return rollout.TaskAllocator(
-        pool, a.strategy, r.group_size, candidates=a.candidates, max_group=a.max_group, decay=a.decay,
-        min_group=max(2, r.group_size // 2) if a.strategy == "until_mixed" else None,
-        retire_threshold=a.retire_threshold, retire_min_evidence=a.retire_min_evidence,
-        revisit_prob=a.revisit_prob, seed=config.seed + 1)
+        source.runner.close()
 
 
 def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int, state, step_fn, proximal):
@@ -446,24 +348,16 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         print(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
               f"solutions per task {record['distinct_solutions']:.2f})", flush=True)
     record.update(guards)
-    run.writer.write("rl", iteration, record, console=_console_line(run, iteration, record, iteration_seconds))
+    left = (config.rl.iterations - iteration) * iteration_seconds
+    budget = 60.0 * config.rl.time_budget_minutes
+    eta = left if budget <= 0 else min(left, max(budget - run.elapsed_seconds(), 0.0))
+    run.writer.write("rl", iteration, record, console=metrics_lib.console_line(
+        iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta))
     if _every(config.checkpoint.every, iteration) or iteration == config.rl.iterations:
         run.save("rl", iteration, state, source)
     if _every(config.eval.every, iteration) or iteration == config.rl.iterations:
         run.writer.write("rl_eval", iteration, run.evaluate())
     return state
-
-
-def _console_line(run: Run, iteration: int, record: dict, seconds: float) -> str:
-    """The few numbers a person watches per RL iteration (metrics.jsonl has the whole record)."""
-    left = run.config.rl.iterations - iteration
-    budget = 60.0 * run.config.rl.time_budget_minutes
-    eta = left * seconds if budget <= 0 else min(left * seconds, max(budget - run.elapsed_seconds(), 0.0))
-    entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
-    return (f"[rl {iteration}/{run.config.rl.iterations}] success={record['success']:.3f} "
-            f"reward={record['reward']:.3f} signal={record['nonzero_advantage_group_share']:.2f} "
-            f"entropy={min(entropies) if entropies else 0.0:.3f} loss={record.get('loss', 0.0):.4g} "
-            f"tokens/s={record['trained_tokens_per_second']:.0f} {seconds:.1f}s/it eta={eta / 60:.1f}min")
 
 
 def _time_for_another_iteration(run: Run, durations: list[float]) -> bool:

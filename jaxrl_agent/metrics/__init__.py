@@ -8,9 +8,9 @@ from jaxrl_agent.metrics.invariants import (
     pass_at_k,
     solution_signature,
 )
-from jaxrl_agent.metrics.records import exploration_guards, iteration_record, summarize
+from jaxrl_agent.metrics.records import console_line, exploration_guards, iteration_record, summarize
 from jaxrl_agent.metrics.writer import MetricsWriter, flatten, plain
 
-__all__ = ["MetricsWriter", "distinct_solutions", "entropy_by_env", "exploration_guards", "flatten",
+__all__ = ["MetricsWriter", "console_line", "distinct_solutions", "entropy_by_env", "exploration_guards", "flatten",
            "group_signal", "iteration_record", "mean_pass_at_k", "pass_at_k", "plain", "solution_signature",
            "summarize"]

@@ -131,3 +131,13 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         summary[f"final/{name}"] = float(after[key])
     summary["gain_points"] = 100.0 * (summary.get("final/success", 0.0) - summary.get("after_sft/success", 0.0))
     return summary
+
+
+def console_line(iteration: int, iterations: int, record: Mapping[str, Any], *, seconds: float,
+                 eta_seconds: float) -> str:
+    """The few numbers a person watches per RL iteration (metrics.jsonl has the whole record)."""
+    entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
+    return (f"[rl {iteration}/{iterations}] success={record['success']:.3f} reward={record['reward']:.3f} "
+            f"signal={record['nonzero_advantage_group_share']:.2f} "
+            f"entropy={min(entropies) if entropies else 0.0:.3f} loss={record.get('loss', 0.0):.4g} "
+            f"tokens/s={record['trained_tokens_per_second']:.0f} {seconds:.1f}s/it eta={eta_seconds / 60:.1f}min")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
-import numpy as np
 
 from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.replay.trajectory import Trajectory

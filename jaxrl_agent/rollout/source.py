@@ -20,14 +20,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jaxrl_agent.envs import api as env_api
+from jaxrl_agent.metrics.records import success as _success
 from jaxrl_agent.replay.trajectory import Trajectory
 from jaxrl_agent.rollout import allocation
 from jaxrl_agent.rollout.allocation import TaskAllocator
 from jaxrl_agent.rollout.scheduler import RolloutRunner, Schedule, windowed_fifo_selectable
-
-
-def _success(trajectory: Trajectory) -> float:
-    return float(trajectory.reward_components.get("success", 0.0))
 
 
 class ProceduralTasks:

@@ -19,7 +19,6 @@ slot's generated length, k float32 log-probs (bit-cast), k versions.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
