@@ -387,3 +387,13 @@ def test_a_compact_console_line_per_iteration_and_a_used_workdir_is_refused(tmp_
                                                 r"--config.resume=True to continue it, or choose another"):
         trainer.train_and_evaluate(config, quiet=True)
     assert len(_records(path)) == written  # nothing appended
+
+
+def test_env_kwargs_reach_the_environments_in_the_pool(tmp_path):
+    config = _rl_only(tiny_config(tmp_path), iterations=1)
+    config.env.kwargs = '{"max_turns": 1}'  # the calculator's own limit (the default is 4)
+    (rl,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    # efficiency = -turns / max_turns: every episode that reached its first step used its one turn.
+    stepped = rl["rollouts"] - rl["finish_reasons"].get("context_limit", 0)
+    assert stepped > 0 and rl["reward/efficiency"] * rl["rollouts"] == pytest.approx(-stepped)
+    assert set(rl["finish_reasons"]) <= {"answer", "max_turns", "context_limit"}
