@@ -274,6 +274,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.metrics = ml_collections.ConfigDict()
     config.metrics.tensorboard = True  # Also write TensorBoard scalars to workdir/tensorboard.
+    config.metrics.wandb_project = ""  # Also log to this Weights & Biases project (pip install ".[wandb]").
+    config.metrics.progress = "auto"  # Progress bars: 'auto' (on a terminal only), 'on' or 'off'.
 
     config.smoke = ml_collections.ConfigDict()
     config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.

@@ -95,7 +95,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 class SamplerServers:
-    """`n` JetStream sampler server processes (`launch/sampler_server.py`) on this host, serving the
+    """`n` JetStream sampler server processes (`jaxrl-agent sampler-server`) on this host, serving the
     run's exact config, and a client over all of them.
 
     The config (with its command-line overrides) is written to `<workdir>/sampler_config.py`, a
@@ -116,8 +116,6 @@ class SamplerServers:
             f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
                     "import json\n\nimport ml_collections\n\n\ndef get_config():\n"
                     f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
-        launcher = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
-                                "sampler_server.py")
         env = dict(os.environ)
         if jax.default_backend() == "cpu":
             # One CPU device per server (not a simulated mesh a test may have asked this process
@@ -127,7 +125,8 @@ class SamplerServers:
             if flags:
                 env["XLA_FLAGS"] = " ".join(flags)
             env["JAX_PLATFORMS"] = "cpu"
-        self.processes = [subprocess.Popen([sys.executable, launcher, "--config", config_path, "--port", "0"],
+        self.processes = [subprocess.Popen([sys.executable, "-m", "jaxrl_agent.cli", "sampler-server", "--config",
+                                            config_path, "--port", "0"],
                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
                           for _ in range(n)]
         addresses = []
@@ -375,6 +374,13 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"set env.service='inprocess' (got {config.env.service!r})")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
+    one_of("metrics.progress", config.metrics.progress, ("auto", "on", "off"))
+    if config.metrics.wandb_project:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None,
+             f"metrics.wandb_project={config.metrics.wandb_project!r} needs wandb: pip install \"jaxrl_agent[wandb]\" "
+             "(or set metrics.wandb_project='')")
     from jaxrl_agent import data
 
     try:

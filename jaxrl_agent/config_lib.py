@@ -79,11 +79,12 @@ def run_app(main, argv: Sequence[str] | None = None) -> None:
 
     from absl import app
 
+    argv = list(sys.argv if argv is None else argv)
     try:
-        check_overrides(sys.argv if argv is None else argv)
+        check_overrides(argv)
     except (ConfigOverrideError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
-    app.run(main)
+    app.run(main, argv=argv)
 
 
 def enable_compilation_cache(config) -> str | None:

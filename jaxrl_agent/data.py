@@ -56,7 +56,11 @@ def _raw_records(spec: str, tfds_data_dir: str | None = None) -> list[Any]:
 
         source = grain.sources.ArrayRecordDataSource([spec])
         return [source[i] for i in range(len(source))]
-    from jaxrl_agent.envs import datasets  # imports TensorFlow Datasets only here
+    from jaxrl_agent import quiet
+
+    quiet.quiet_environment()
+    with quiet.native_stderr_silenced():
+        from jaxrl_agent.envs import datasets  # imports TensorFlow Datasets (and TensorFlow) only here
 
     name, _, builder_config = spec[len("tfds:"):].partition("/")
     builder = datasets.prepare(name, data_dir=tfds_data_dir or None, config=builder_config or "default")

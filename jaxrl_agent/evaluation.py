@@ -35,13 +35,15 @@ class EvalSpec:
 
 
 def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Environment], tokenizer, template,
-             spec: EvalSpec, *, greedy: rollout.EpisodeSettings, sampled: rollout.EpisodeSettings
-             ) -> dict[str, float]:
-    """Runs the held-out episodes; returns the `eval/*` metrics (and `eval/seconds`)."""
+             spec: EvalSpec, *, greedy: rollout.EpisodeSettings, sampled: rollout.EpisodeSettings,
+             progress: Callable[[int], None] | None = None) -> dict[str, float]:
+    """Runs the held-out episodes; returns the `eval/*` metrics (and `eval/seconds`).
+    `progress(levels_done)` is called after each (environment, level)."""
     started = time.monotonic()
     results: dict[str, float] = {}
     mixture = len(spec.levels) > 1
     headline = []
+    done = 0
     for name, (levels, trained_levels) in spec.levels.items():
         env = environments[name]
         prefix = f"eval/{name}/" if mixture else "eval/"
@@ -56,6 +58,9 @@ def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Enviro
                 successes = [[success(t) > 0 for t in g] for g in groups]
                 results[f"{prefix}sampled_pass@1/d{d}"] = invariants.mean_pass_at_k(successes, 1)
                 results[f"{prefix}pass@{spec.pass_k}/d{d}"] = invariants.mean_pass_at_k(successes, spec.pass_k)
+            done += 1
+            if progress is not None:
+                progress(done)
         trained = [results[f"{prefix}pass@1/d{d}"] for d in levels if d in trained_levels]
         env_success = float(np.mean(trained)) if trained else 0.0
         if mixture:

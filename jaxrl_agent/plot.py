@@ -79,12 +79,20 @@ def plot(workdir: str, out: str | None = None) -> str:
     return out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(argv=None) -> int:
+    """`jaxrl-agent plot <workdir> [--out PNG]` (argv[0] is the program name)."""
+    argv = list(sys.argv if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=argv[0], description=__doc__.splitlines()[0])
     parser.add_argument("workdir")
     parser.add_argument("--out", default=None, help="PNG path (default: <workdir>/curves.png)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv[1:])
     print(plot(args.workdir, args.out))
+    return 0
+
+
+def main(argv=None) -> None:
+    """`python -m jaxrl_agent.plot <workdir>` (argv without the program name)."""
+    run(["python -m jaxrl_agent.plot", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

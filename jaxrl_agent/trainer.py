@@ -42,6 +42,10 @@ from jaxrl_agent.sampling import SamplingParams
 DEMONSTRATION_SEED_OFFSET = 2_000_000
 
 
+# Stages logged during RL: their global step is `sft.steps` + the RL iteration.
+RL_STAGES = ("rl", "rl_eval", "rl_end", "resume")
+
+
 def _every(period: int, iteration: int) -> bool:
     """Whether a periodic action (`eval.every`, `checkpoint.every`, `sft.log_every`, ...) falls on
     `iteration`; a period of 0 means never periodically (the run still logs, evaluates and
@@ -82,6 +86,18 @@ class Run:
     version: int = 0
     trained_tokens_total: int = 0
     last_eval_seconds: float = 0.0
+    global_step: int = 0  # the last record's step on the one counter across stages
+
+    def log(self, stage: str, step: int, metrics: dict[str, Any], *, console: str | None = None,
+            global_step: int | None = None) -> None:
+        """One record. Its `global_step` counts SFT updates, then `sft.steps` + the RL iteration, so
+        every stage's records (evaluation's `eval/*` above all) lie on one axis."""
+        if global_step is None:
+            global_step = step + (self.config.sft.steps if stage in RL_STAGES else 0)
+        if console is None and stage.endswith("eval"):
+            console = metrics_lib.eval_console_line(stage, step, metrics)
+        self.global_step = global_step
+        self.writer.write(stage, step, metrics, global_step=global_step, console=console)
 
     def elapsed_seconds(self) -> float:
         return time.monotonic() - self.started
@@ -93,10 +109,28 @@ class Run:
             max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns)
 
     def evaluate(self) -> dict[str, float]:
-        results = evaluation.evaluate(
-            self.sampler, self.environments.make_env, self.environments.environments, self.tokenizer,
-            self.template, self.eval_spec, greedy=self.episode_settings(0.0),
-            sampled=self.episode_settings(self.config.rollout.temperature))
+        console = self.writer.console
+        total = sum(len(levels) for levels, _ in self.eval_spec.levels.values())
+        transient = not console.live  # before training: a bar of its own; else the stage's bar says it
+        if transient:
+            console.bar("eval", total, unit="level", leave=False)
+
+        def progress(done: int) -> None:
+            if transient:
+                console.advance(1)
+            else:
+                console.detail(f"eval {done}/{total}")
+
+        try:
+            results = evaluation.evaluate(
+                self.sampler, self.environments.make_env, self.environments.environments, self.tokenizer,
+                self.template, self.eval_spec, greedy=self.episode_settings(0.0),
+                sampled=self.episode_settings(self.config.rollout.temperature), progress=progress)
+        finally:
+            if transient:
+                console.close()
+            else:
+                console.detail(None)
         self.last_eval_seconds = results["eval/seconds"]
         return results
 
@@ -117,7 +151,7 @@ class Run:
         try:
             return self.sampler.sampler_stats()
         except Exception as err:  # noqa: BLE001 - metrics must not stop the run (a server may be down)
-            print(f"warning: sampler stats unavailable: {err}", flush=True)
+            self.writer.say(f"warning: sampler stats unavailable: {err}")
             return {}
 
     def close(self) -> None:
@@ -168,7 +202,10 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
            for n, e in named.items()}
     evals = {n: (evaluation.levels_for(e, _levels(config.env.eval_difficulties)), train[n]) for n, e in named.items()}
     return Run(
-        config=config, writer=metrics_lib.MetricsWriter(workdir, quiet=quiet, tensorboard=config.metrics.tensorboard),
+        config=config, writer=metrics_lib.MetricsWriter(
+            workdir, tensorboard=config.metrics.tensorboard, wandb_project=config.metrics.wandb_project,
+            console=metrics_lib.Console(enabled=not quiet and jax.process_index() == 0,
+                                        progress={"auto": None, "on": True, "off": False}[config.metrics.progress])),
         tokenizer=tokenizer, template=tokenizer_lib.make_template(config.tokenizer.template), mesh=mesh,
         model_config=model_config, environments=environments, sampler=sampler, servers=servers,
         buffer=replay.ReplayBuffer(vocab_size=model_config.vocab_size, max_length=config.learner.row_length),
@@ -196,8 +233,9 @@ def run_sft(run: Run) -> None:
     demonstrations = build.build_demonstrations(config, run.environments, run.sft_levels, run.tokenizer, run.template,
                                                 first_seed=DEMONSTRATION_SEED_OFFSET)
     if demonstrations.info is not None:
-        run.writer.write("data", 0, demonstrations.info)
+        run.log("data", 0, demonstrations.info)
     skipped, start = 0, time.perf_counter()
+    run.writer.console.bar("sft", c.steps, unit="step")
     for step in range(1, c.steps + 1):
         trajectories = demonstrations.sample(run.rng, c.batch_size)
         # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
@@ -206,17 +244,21 @@ def run_sft(run: Run) -> None:
         batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=row_multiple,
                                target_multiple=config.learner.target_multiple)
         state, metrics = step_fn(state, jax.device_put(batch, sharding.batch_sharding(run.mesh)))
+        postfix = None
         if _every(c.log_every, step) or step == c.steps:
             metrics = jax.device_get(metrics)
-            run.writer.write("sft", step, {"loss": metrics["loss"], "entropy": metrics["entropy"],
-                                           "grad_norm": metrics["grad_norm"], "skipped_demonstrations": skipped,
-                                           "seconds": time.perf_counter() - start})
+            run.log("sft", step, {"loss": metrics["loss"], "entropy": metrics["entropy"],
+                                  "grad_norm": metrics["grad_norm"], "skipped_demonstrations": skipped,
+                                  "seconds": time.perf_counter() - start})
+            postfix = {"loss": float(metrics["loss"])}
+        run.writer.console.advance(1, postfix)
         if _every(c.eval_every, step) and step != c.steps:
             run.sampler.update_weights(state.params, run.version)
-            run.writer.write("sft_eval", step, run.evaluate())
+            run.log("sft_eval", step, run.evaluate())
     run.push_weights(state.params)
     run.save("sft_done", 0, state, None)
-    run.writer.write("sft_eval", c.steps, run.evaluate())
+    run.log("sft_eval", c.steps, run.evaluate())
+    run.writer.console.close()
 
 
 # -------------------------------------------------------------------------------------------- RL
@@ -245,8 +287,8 @@ def run_rl(run: Run) -> None:
     source = build.build_rollout_source(config, run.sampler, run.environments, run.tokenizer, run.template,
                                         run.episode_settings(r.temperature), run.train_levels)
     if config.data.tasks != "procedural":
-        run.writer.write("data", 0, {"tasks": config.data.tasks, "task_records": source.tasks.size,
-                                     "skipped_records": dict(source.tasks.skipped)})
+        run.log("data", 0, {"tasks": config.data.tasks, "task_records": source.tasks.size,
+                            "skipped_records": dict(source.tasks.skipped)}, global_step=config.sft.steps)
     first_iteration = 1
     if resume is not None:
         if resume.stage == "rl":
@@ -258,10 +300,11 @@ def run_rl(run: Run) -> None:
             source.load_state_dict(resume.source)
             run.sampler.update_weights(run.params, run.version)
             first_iteration = resume.iteration + 1
-        run.writer.write("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
+        run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
     if config.reward.judge and run.judge is None:
         run.judge = build.build_judge(config, run.model_config, run.judge_params, run.tokenizer, run.template)
     durations: list[float] = []  # RL iterations' wall time, evaluations and checkpoints included
+    run.writer.console.bar("rl", c.iterations, initial=first_iteration - 1)
     try:
         for iteration in range(first_iteration, c.iterations + 1):
             iteration_started = time.monotonic()
@@ -278,11 +321,12 @@ def run_rl(run: Run) -> None:
                 if not _every(config.checkpoint.every, iteration) and iteration != c.iterations:
                     run.save("rl", iteration, state, source)
                 if not _every(config.eval.every, iteration) and iteration != c.iterations:
-                    run.writer.write("rl_eval", iteration, run.evaluate())
-                run.writer.write("rl_end", iteration, {"reason": reason, "iterations": iteration,
-                                                       "elapsed_seconds": run.elapsed_seconds()})
+                    run.log("rl_eval", iteration, run.evaluate())
+                run.log("rl_end", iteration, {"reason": reason, "iterations": iteration,
+                                              "elapsed_seconds": run.elapsed_seconds()})
                 break
     finally:
+        run.writer.console.close()
         source.runner.close()
 
 
@@ -298,8 +342,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         groups, judge_metrics = rewards.judge_groups(run.judge, groups, run.tokenizer.decode,
                                                      length_bias_threshold=config.reward.length_bias_threshold)
         if judge_metrics.get("judge/length_bias_warning"):
-            print(f"warning: judge scores correlate with length ({judge_metrics['judge/length_bias']:.2f} > "
-                  f"reward.length_bias_threshold={config.reward.length_bias_threshold})", flush=True)
+            run.writer.say(f"warning: judge scores correlate with length ({judge_metrics['judge/length_bias']:.2f} > "
+                           f"reward.length_bias_threshold={config.reward.length_bias_threshold})")
     processed = rollout.postprocess.postprocess(groups, run.postprocess, iteration=iteration,
                                                 current_version=run.version)
     source.observe(processed.shaped_groups, processed.metrics["nonzero_advantage_group_share"]
@@ -345,18 +389,21 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
                                             distinct_solutions_floor=config.exploration.distinct_solutions_floor)
     for name in guards:
         entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
-        print(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
-              f"solutions per task {record['distinct_solutions']:.2f})", flush=True)
+        run.writer.say(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
+                       f"solutions per task {record['distinct_solutions']:.2f})")
     record.update(guards)
     left = (config.rl.iterations - iteration) * iteration_seconds
     budget = 60.0 * config.rl.time_budget_minutes
     eta = left if budget <= 0 else min(left, max(budget - run.elapsed_seconds(), 0.0))
-    run.writer.write("rl", iteration, record, console=metrics_lib.console_line(
+    run.log("rl", iteration, record, console=metrics_lib.console_line(
         iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta))
+    run.writer.console.advance(1, {"success": record["success"], "reward": record["reward"],
+                                   "tok/s": round(record["trained_tokens_per_second"]),
+                                   "budget_eta": f"{eta / 60:.1f}min"})
     if _every(config.checkpoint.every, iteration) or iteration == config.rl.iterations:
         run.save("rl", iteration, state, source)
     if _every(config.eval.every, iteration) or iteration == config.rl.iterations:
-        run.writer.write("rl_eval", iteration, run.evaluate())
+        run.log("rl_eval", iteration, run.evaluate())
     return state
 
 
@@ -384,20 +431,21 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
     workdir = workdir or config.workdir
     run = build_run(config, workdir, quiet=quiet, objective=objective, reward_fn=reward_fn)
     try:
-        run.writer.write("start", 0, {"params": models.count_params(run.params), "devices": jax.device_count(),
-                                      "objective": run.objective.name,
-                                      "environments": ",".join(run.environments.environments)})
+        run.writer.write_config(config)
+        run.log("start", 0, {"params": models.count_params(run.params), "devices": jax.device_count(),
+                             "processes": jax.process_count(), "objective": run.objective.name,
+                             "environments": ",".join(run.environments.environments)},
+                global_step=0 if run.resume is None else config.sft.steps + run.resume.iteration)
         if run.resume is None:
-            run.writer.write("initial_eval", 0, run.evaluate())
+            run.log("initial_eval", 0, run.evaluate())
         run_sft(run)
         run_rl(run)
-        summary = summarize(run.writer.read())
+        summary = summarize(run.writer.read()) if run.writer.active else {}
         if summary:
-            run.writer.write("summary", run.version, summary)
-            if not quiet:
-                print(f"held-out success (greedy pass@1, levels {config.env.train_difficulties}): after SFT "
-                      f"{summary['after_sft/success']:.3f} -> final {summary['final/success']:.3f} "
-                      f"({summary['gain_points']:+.1f} points)", flush=True)
+            run.log("summary", run.version, summary, global_step=run.global_step)
+            run.writer.say(f"held-out success (greedy pass@1, levels {config.env.train_difficulties}): after SFT "
+                           f"{summary['after_sft/success']:.3f} -> final {summary['final/success']:.3f} "
+                           f"({summary['gain_points']:+.1f} points)")
     finally:
         run.close()
     return run.writer.path

@@ -1,51 +1,14 @@
-"""A sampling server: our engine behind JetStream's orchestrator and gRPC server.
+"""`jaxrl-agent sampler-server` for a checkout (flags: jaxrl_agent/cli/sampler_server.py).
 
   python launch/sampler_server.py --config configs/calculator_tiny.py --port 9000 [--host 127.0.0.1]
-
-Serves JetStream's `Orchestrator/Decode` (token ids) and `jaxrl_agent.Sampler` (ids, log-probs,
-versions, finish reasons, weight updates) on one port. Prints
-`sampler server listening on HOST:PORT` when ready (`--port 0` picks a free port).
 """
 
+import os
+import sys
 
-from absl import flags
-from ml_collections import config_flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout, not installed
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 to serve other hosts).")
-_PORT = flags.DEFINE_integer("port", 9000, "gRPC port; 0 picks a free one.")
-flags.mark_flags_as_required(["config"])
-
-
-def main(argv):
-    del argv
-    import asyncio
-    import logging
-
-    # JetStream logs every decode step at INFO on the root logger.
-    logging.getLogger().setLevel(logging.WARNING)
-
-    from jaxrl_agent import build, config_lib
-    from jaxrl_agent.sampling import engine as engine_lib, server
-
-    config = _CONFIG.value
-    # The run's persistent compilation cache: servers of one run (and of later runs) share compiled
-    # prefill and decode shapes instead of each compiling them while the learner waits.
-    config_lib.enable_compilation_cache(config)
-    # Laid out as the trainer lays out its own (in-process) engine's parameters: the same compiled
-    # programs, so the two share persistent-cache entries.
-    model_config, params = build.build_model(config, build.build_mesh(config))
-    engine = build.build_engine(config, model_config, params, build.build_tokenizer(config))
-    default = engine_lib.SamplingParams(temperature=config.sampler.default_temperature)
-
-    def ready(port):
-        print(f"sampler server listening on {_HOST.value}:{port}", flush=True)
-
-    asyncio.run(server.serve(engine, _HOST.value, _PORT.value, default_sampling=default, ready=ready,
-                             pipeline_depth=config.sampler.pipeline_depth))
-
+from jaxrl_agent.cli import sampler_server  # noqa: E402
 
 if __name__ == "__main__":
-    from jaxrl_agent import config_lib
-
-    config_lib.run_app(main)
+    sampler_server.run()

@@ -1,53 +1,16 @@
-"""Entry point on a laptop, a GPU host or every host of a TPU pod slice.
+"""`jaxrl-agent train` for a checkout: on a laptop, a GPU host or every host of a TPU pod slice.
 
   python launch/tpu_run.py --config configs/calculator_tiny.py [--config.a.b=value ...] [--mode smoke]
 
-Multi-host: run the same command on every host with --coordinator_address, --num_processes and
---process_id (or none of them on Cloud TPU, where jax.distributed finds its peers itself, by
-passing --distributed).
+Flags and multi-host use: jaxrl_agent/cli/train.py.
 """
 
+import os
+import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout, not installed
 
-from absl import flags, logging
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "smoke"],
-                          "train: SFT cold start then RL (jaxrl_agent.trainer); smoke: build the model, one forward.")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
-flags.mark_flags_as_required(["config"])
-
-
-def main(argv):
-    del argv
-    import jax
-
-    if _DISTRIBUTED.value or _COORDINATOR.value:
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    # Quiet orbax / absl INFO chatter: the run's own progress lines are printed to stdout.
-    logging.set_verbosity(logging.WARNING)
-    from jaxrl_agent import config_lib
-
-    # JAX's persistent compilation cache: a second run (or a resume) skips recompiling.
-    config_lib.enable_compilation_cache(_CONFIG.value)
-    if _MODE.value == "smoke":
-        from jaxrl_agent import build
-
-        summary = build.smoke_forward(_CONFIG.value)
-        logging.info("forward pass ok: %s", summary)
-        print("forward pass ok:", summary, flush=True)
-        return
-    from jaxrl_agent import trainer
-
-    path = trainer.train_and_evaluate(_CONFIG.value)
-    print(f"metrics written to {path}", flush=True)
-
+from jaxrl_agent.cli import train  # noqa: E402
 
 if __name__ == "__main__":
-    from jaxrl_agent import config_lib
-
-    config_lib.run_app(main)
+    train.run()

@@ -87,8 +87,24 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     accumulator.Reload()
     scalars = {(tag, e.step): e.value for tag in accumulator.Tags()["scalars"] for e in accumulator.Scalars(tag)}
     last = rl[-1]
-    assert scalars[("rl/loss", last["step"])] == pytest.approx(last["loss"], rel=1e-6)
-    assert ("rl/finish_reasons/" + next(iter(last["finish_reasons"])), last["step"]) in scalars
+    assert last["global_step"] == config.sft.steps + last["step"]
+    assert scalars[("rl/loss", last["global_step"])] == pytest.approx(last["loss"], rel=1e-6)
+    assert ("rl/finish_reasons/" + next(iter(last["finish_reasons"])), last["global_step"]) in scalars
+    # Held-out success is one curve from the first evaluation to the last, on one step axis:
+    # before training (0), after SFT (sft.steps) and during RL (sft.steps + iteration).
+    curve = sorted((e.step, e.value) for e in accumulator.Scalars("eval/success"))
+    assert curve == [(r["global_step"], pytest.approx(r["eval/success"])) for r in evals]
+    assert [step for step, _ in curve] == [0, 3, 4, 5]
+    assert not any(tag.startswith(("sft_eval/", "rl_eval/", "initial_eval/")) for tag in accumulator.Tags()["scalars"])
+    # The resolved config (overrides applied) is in the workdir, and its hyper-parameters in TensorBoard.
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model"]["hidden_size"] == 32 and saved["rl"]["iterations"] == 2
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    start_info = plugin_data_pb2.HParamsPluginData.FromString(
+        accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+    assert start_info.hparams["model.hidden_size"].number_value == 32
+    assert start_info.hparams["rl.objective"].string_value == saved["rl"]["objective"]
 
     # The plot command writes a PNG of the curves.
     png = plot.plot(str(tmp_path))

@@ -141,3 +141,11 @@ def console_line(iteration: int, iterations: int, record: Mapping[str, Any], *, 
             f"signal={record['nonzero_advantage_group_share']:.2f} "
             f"entropy={min(entropies) if entropies else 0.0:.3f} loss={record.get('loss', 0.0):.4g} "
             f"tokens/s={record['trained_tokens_per_second']:.0f} {seconds:.1f}s/it eta={eta_seconds / 60:.1f}min")
+
+
+def eval_console_line(stage: str, step: int, results: Mapping[str, Any]) -> str:
+    """Held-out evaluation in one short line: the headline and greedy pass@1 per level."""
+    levels = " ".join(f"{k[len('eval/'):].replace('pass@1/', '')}={v:.2f}" for k, v in results.items()
+                      if "/pass@1/" in k and "sampled" not in k)
+    return f"[{stage} {step}] eval/success={results['eval/success']:.3f} pass@1 {levels} " \
+           f"({results.get('eval/seconds', 0.0):.1f}s)"

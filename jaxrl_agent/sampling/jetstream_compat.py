@@ -4,6 +4,8 @@
   raises and JetStream's thread wrapper SIGKILLs the whole process.
 * Importing `jetstream.core.orchestrator` sets the root logger to DEBUG with a stdout handler;
   we undo that so a server's stdout is not flooded with per-step logs.
+* It imports `seqio`, and so TensorFlow, whose C++ start-up logs (no CUDA driver, oneDNN) are
+  silenced here (`jaxrl_agent.quiet`; JAXRL_AGENT_VERBOSE=1 shows them).
 Import JetStream modules only through `import_jetstream()`.
 """
 
@@ -24,9 +26,13 @@ def import_jetstream():
     apply_shims()
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
-    from jetstream.core import orchestrator
-    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
-    from jetstream.engine import engine_api, token_utils
+    from jaxrl_agent import quiet
+
+    quiet.quiet_environment()
+    with quiet.native_stderr_silenced():
+        from jetstream.core import orchestrator
+        from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+        from jetstream.engine import engine_api, token_utils
 
     for handler in list(root.handlers):
         if handler not in handlers:

@@ -1,0 +1,47 @@
+"""`jaxrl-agent env-server`: environments served to trainers on other hosts.
+
+  jaxrl-agent env-server --port 7100 --workers 8 [--host 127.0.0.1] [--import my_envs]
+
+Trainers connect with `--config.env.service=host:port` (`jaxrl_agent.envs.remote`). Prints
+`env server listening on HOST:PORT` once ready (`--port 0` picks a free port). The server has no
+authentication: bind it to 127.0.0.1 (the default) or to a private network only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+
+from jaxrl_agent import quiet
+
+
+def run(argv=None) -> int:
+    quiet.quiet_environment()
+    argv = list(argv) if argv is not None else None
+    parser = argparse.ArgumentParser(prog=argv[0] if argv else None, description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (127.0.0.1: this host only).")
+    parser.add_argument("--port", type=int, default=7100, help="TCP port; 0 picks a free one.")
+    parser.add_argument("--workers", type=int, default=4, help="Environment worker processes.")
+    parser.add_argument("--step_timeout_s", type=float, default=30.0, help="Per-step timeout before a worker is replaced.")
+    parser.add_argument("--worker_memory_mb", type=int, default=4096, help="Address-space limit per worker.")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        help="Module that registers extra environments (repeatable).")
+    args = parser.parse_args(argv[1:] if argv else None)
+    for module in args.imports:
+        importlib.import_module(module)
+    from jaxrl_agent.envs import pool, remote
+
+    env_pool = pool.EnvPool(args.workers, step_timeout_s=args.step_timeout_s,
+                            worker_memory_mb=args.worker_memory_mb, imports=args.imports)
+
+    def ready(port):
+        print(f"env server listening on {args.host}:{port}", flush=True)
+
+    try:
+        asyncio.run(remote.serve(env_pool, args.host, args.port, ready))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        env_pool.close()
+    return 0
