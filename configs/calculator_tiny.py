@@ -1,11 +1,11 @@
 """The embedded CPU default: a ~0.8M-parameter Llama-style agent on the calculator task.
 
 Run:
-  python launch/tpu_run.py --config configs/calculator_tiny.py
-  python launch/tpu_run.py --config configs/calculator_tiny.py --config.model.num_layers=2
+  jaxrl-agent train --config configs/calculator_tiny.py
+  jaxrl-agent train --config configs/calculator_tiny.py --config.model.num_layers=2
 
-Sizes follow background/learning-notes.md (4 layers, width 128, 4 heads, MLP 512), which learned
-calculator tool use on 2 CPU cores in minutes.
+4 layers, width 128, 4 heads, MLP 512: a size that learns calculator tool use on 2 CPU cores in
+minutes (the measured runs are in benchmarks/RESULTS.md). Every key: docs/config.md.
 """
 
 import ml_collections
@@ -108,7 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.env.tool_latency_alpha = 1.2  # Pareto tail index of that latency (smaller = heavier tail).
 
     config.rollout = ml_collections.ConfigDict()
-    config.rollout.prompts_per_iteration = 64  # Tasks per RL iteration (background/learning-notes.md: 64 x 4).
+    config.rollout.prompts_per_iteration = 64  # Tasks per RL iteration (64 tasks x 4 samples learned fastest on 2 cores).
     config.rollout.group_size = 4  # Episodes per task; advantages are relative within the group.
     config.rollout.temperature = 1.0  # Sampling temperature (0.7 learned worse in the notes).
     config.rollout.max_tokens_per_turn = 64  # Longest assistant turn, in tokens.
@@ -126,7 +126,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.token_budget = 0  # Partial rollouts: tokens per episode per iteration (0 = no limit).
     config.rollout.groups_in_flight = 0  # Non-sync: groups submitted ahead of the learner (0 = prompts_per_iteration).
 
-    # Who gets rollouts (issue 7). 'uniform' with task_pool=0 is a fresh task for every group.
+    # Who gets rollouts (rollout allocation). 'uniform' with task_pool=0 is a fresh task for every group.
     config.allocation = ml_collections.ConfigDict()
     # 'uniform', 'variance' (sqrt(p(1-p)), VIP / GVM-RAFT), 'knapsack' (Knapsack RL) or 'until_mixed'
     # (Reinforce-Ada: rounds of G/2 rollouts until a task's outcomes differ; sync only). All but uniform
@@ -222,7 +222,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.gspo_eps_low = 3e-4
     config.rl.gspo_eps_high = 4e-4  # (a geometric mean per token: bounds ~1e-4, not 0.2)
     # Advantages within a group: 'grpo' ((r - mean) / std), 'dr_grpo' (r - mean; divided by the std
-    # was slightly worse in background/learning-notes.md), 'rloo' (leave-one-out mean) or 'ploo'
+    # was slightly worse on the tiny default), 'rloo' (leave-one-out mean) or 'ploo'
     # (Kimi k1.5's leave-one-out soft baseline at temperature rl.tau).
     config.rl.advantage = "dr_grpo"
     # Learner/sampler mismatch: 'none', 'tis' (truncated IS weights, cap rl.tis_cap), 'icepop'
@@ -243,7 +243,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rl.reference = "initial"
     # Your own objective instead of the named one: 'package.module:name' naming an Objective
     # (losses.make_objective), a function of the rl section (a dict) returning one, or a pure loss
-    # with DESIGN.md's signature (logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg)
+    # with the signature of docs/contracts.md (logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg)
     # (cfg = the rl section as a dict; ref_logprobs only when kl_coef > 0). '' = rl.objective.
     config.rl.objective_fn = ""
 

@@ -493,7 +493,7 @@ def build_objective(config):
 
 def _as_objective(found, rl):
     """An Objective, a factory of one (called with the rl section as a dict), or a pure loss with
-    DESIGN.md's six-argument signature."""
+    the six-argument signature of docs/contracts.md."""
     import inspect
 
     from jaxrl_agent import losses

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 from typing import Sequence
 
 import ml_collections
@@ -103,3 +104,54 @@ def enable_compilation_cache(config) -> str | None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return cache_dir
+
+
+_ASSIGNMENT = re.compile(r"^\s*config\.([\w.]+)\s*=\s*(.*?)\s*(?:#\s*(.*))?$")
+
+
+def reference_markdown(path: str) -> str:
+    """The configuration reference of a config file, as Markdown: one table per section, each key
+    with its value and the comment the file gives it (on its line, or the comment lines above it).
+    docs/config.md is this for configs/calculator_tiny.py (a test keeps the two equal)."""
+    config = load_config(path)
+    lines = open(path, encoding="utf-8").read().splitlines()
+    sections: dict[str, list[tuple[str, str, str]]] = {}
+    notes: dict[str, str] = {}
+    above: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        match = _ASSIGNMENT.match(line) if stripped.startswith("config.") else None
+        if match is None:
+            above = []
+            continue
+        key, value_source, comment = match.groups()
+        section, _, field = key.rpartition(".")
+        if value_source.startswith("ml_collections.ConfigDict("):
+            sections.setdefault(key, [])
+            if above:
+                notes[key] = " ".join(above)
+            above = []
+            continue
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        meaning = " ".join([*above, comment or ""]).strip()
+        sections.setdefault(section, []).append((field, repr(value), meaning))
+        above = []
+    shown = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    out = [f"# Configuration reference (`{shown}`)", "",
+           "Every key of the embedded default, its value there and what it does. Override any of them on the "
+           "command line (`--config.section.key=value`) or in Python (`config.section.key = value`). Generated "
+           "from the config file's comments by `jaxrl_agent.config_lib.reference_markdown`.", ""]
+    for section, rows in sections.items():
+        out += [f"## `{section or 'top level'}`", ""]
+        if section in notes:
+            out += [notes[section], ""]
+        out += ["| key | default | meaning |", "|---|---|---|"]
+        out += [f"| `{(section + '.') if section else ''}{field}` | `{value}` | {meaning.replace('|', '/')} |"
+                for field, value, meaning in rows]
+        out.append("")
+    return "\n".join(out)

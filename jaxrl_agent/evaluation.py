@@ -10,7 +10,6 @@ per-environment figures are `eval/<env>/...`).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from typing import Callable, Mapping, Sequence
@@ -20,6 +19,7 @@ import numpy as np
 from jaxrl_agent import envs, rollout
 from jaxrl_agent.metrics import invariants
 from jaxrl_agent.metrics.records import success
+from jaxrl_agent.rollout.episode import run_coroutine
 
 EVAL_GREEDY_SEED = 10**6
 EVAL_SAMPLED_SEED = 2 * 10**6
@@ -49,11 +49,11 @@ def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Enviro
         prefix = f"eval/{name}/" if mixture else "eval/"
         for d in levels:
             tasks = [env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, d) for i in range(spec.tasks_per_difficulty)]
-            groups = asyncio.run(rollout.collect_groups(sampler, make_env, tasks, 1, tokenizer, template, greedy,
+            groups = run_coroutine(rollout.collect_groups(sampler, make_env, tasks, 1, tokenizer, template, greedy,
                                                         seed=EVAL_GREEDY_SEED))
             results[f"{prefix}pass@1/d{d}"] = float(np.mean([success(g[0]) for g in groups]))
             if spec.pass_k > 1:
-                groups = asyncio.run(rollout.collect_groups(sampler, make_env, tasks, spec.pass_k, tokenizer,
+                groups = run_coroutine(rollout.collect_groups(sampler, make_env, tasks, spec.pass_k, tokenizer,
                                                             template, sampled, seed=EVAL_SAMPLED_SEED))
                 successes = [[success(t) > 0 for t in g] for g in groups]
                 results[f"{prefix}sampled_pass@1/d{d}"] = invariants.mean_pass_at_k(successes, 1)

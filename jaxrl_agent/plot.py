@@ -1,15 +1,16 @@
-"""Curves of a run: `python -m jaxrl_agent.plot <workdir> [--out curves.png]`.
+"""A run's curves on one page: `jaxrl-agent plot <workdir> [--out curves.png]`.
 
-Reads `<workdir>/metrics.jsonl` and writes a PNG with four panels against wall-clock minutes since
-the run started: held-out pass@1 per difficulty (every evaluation, SFT and RL), the SFT loss, the
-RL training success and reward, and the RL signal/drift figures (share of groups with a non-zero
-advantage, sampled-token entropy, policy lag). Uses matplotlib's Agg backend (no display needed).
+Reads `<workdir>/metrics.jsonl` and writes a PNG of six panels against the run's global step (SFT
+updates, then `sft.steps` + RL iteration; a dotted line marks where RL starts): held-out greedy
+pass@1 per difficulty and `eval/success`; RL training success and reward; sampled-token entropy
+per environment; the learning signal (share of groups with a non-zero advantage); drift (the
+learner-sampler log-prob gap, mean and max, and the mean policy lag); the SFT loss. Uses
+matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -33,17 +34,42 @@ def load_records(workdir: str) -> list[dict]:
     return records
 
 
+def _x(record) -> float:
+    return float(record.get("global_step", record.get("step", 0)))
+
+
 def series(records: list[dict], stages: tuple[str, ...], key: str) -> tuple[list[float], list[float]]:
-    """(minutes since the first record, values) of `key` over the records of the given stages."""
-    if not records:
-        return [], []
-    start = records[0]["time"]
+    """(global steps, values) of `key` over the records of the given stages."""
     xs, ys = [], []
     for r in records:
         if r.get("stage") in stages and isinstance(r.get(key), (int, float)):
-            xs.append((r["time"] - start) / 60.0)
+            xs.append(_x(r))
             ys.append(float(r[key]))
     return xs, ys
+
+
+EVAL_STAGES = ("initial_eval", "sft_eval", "rl_eval")
+
+
+def panels(records: list[dict]) -> list[tuple[str, list[tuple[tuple[str, ...], str, str]]]]:
+    """[(title, [(stages, key, label), ...]), ...]: what each panel draws (keys the run has)."""
+    def keys(stages, test):
+        return sorted({k for r in records if r.get("stage") in stages for k in r if test(k)})
+
+    per_level = keys(EVAL_STAGES, lambda k: k.startswith("eval/") and "/pass@1/" in k and "sampled" not in k)
+    entropies = keys(("rl",), lambda k: k.startswith("sampled_entropy/"))
+    return [
+        ("held-out success (greedy pass@1)",
+         [(EVAL_STAGES, k, k[len("eval/"):].replace("pass@1/", "")) for k in per_level]
+         + [(EVAL_STAGES, "eval/success", "eval/success")]),
+        ("RL training", [(("rl",), "success", "success"), (("rl",), "reward", "reward")]),
+        ("exploration: sampled-token entropy (nats)", [(("rl",), k, k.split("/", 1)[1]) for k in entropies]),
+        ("learning signal", [(("rl",), "nonzero_advantage_group_share", "groups with non-zero advantage")]),
+        ("drift", [(("rl",), "drift/sampler_abs_diff_mean", "|logp learner - sampler| mean"),
+                   (("rl",), "drift/sampler_abs_diff_max", "... max"),
+                   (("rl",), "policy_lag_mean", "policy lag (versions)")]),
+        ("SFT", [(("sft",), "loss", "loss"), (("sft",), "entropy", "entropy")]),
+    ]
 
 
 def plot(workdir: str, out: str | None = None) -> str:
@@ -54,27 +80,25 @@ def plot(workdir: str, out: str | None = None) -> str:
 
     records = load_records(workdir)
     out = out or os.path.join(workdir, "curves.png")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    eval_stages = ("initial_eval", "sft_eval", "rl_eval")
-    eval_keys = sorted({k for r in records if r.get("stage") in eval_stages for k in r if k.startswith("eval/")})
-    panels = collections.OrderedDict([
-        ("held-out evaluation", [(eval_stages, k) for k in eval_keys]),
-        ("SFT", [(("sft",), "loss"), (("sft",), "entropy")]),
-        ("RL training", [(("rl",), "success"), (("rl",), "reward")]),
-        ("RL signal and drift", [(("rl",), "nonzero_advantage_group_share"), (("rl",), "entropy"),
-                                 (("rl",), "policy_lag_max")]),
-    ])
-    for ax, (title, lines) in zip(axes.flat, panels.items()):
-        for stages, key in lines:
+    rl_start = min((_x(r) - r.get("step", 0) for r in records if r.get("stage") == "rl"), default=None)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    for ax, (title, lines) in zip(axes.flat, panels(records)):
+        for stages, key, label in lines:
             xs, ys = series(records, stages, key)
             if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=key)
-        ax.set_title(title)
-        ax.set_xlabel("minutes")
+                ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label,
+                        linewidth=2.2 if key == "eval/success" else 1.2)
+        if title == "drift":
+            ax.set_yscale("symlog", linthresh=1e-3)
+        if rl_start is not None and title != "SFT":
+            ax.axvline(rl_start, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("global step (SFT updates, then RL iterations)", fontsize=8)
         if ax.lines:
             ax.legend(fontsize=7)
+    fig.suptitle(os.path.basename(os.path.abspath(workdir)), fontsize=11)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
 

@@ -29,15 +29,12 @@ def quiet_environment() -> None:
 
 @contextlib.contextmanager
 def native_stderr_silenced():
-    """Redirects the process's stderr file descriptor to /dev/null inside the block (a no-op with
-    JAXRL_AGENT_VERBOSE=1, or when stderr has no descriptor, as under some notebook kernels)."""
+    """Redirects file descriptor 2 (where native libraries log) to /dev/null inside the block (a
+    no-op with JAXRL_AGENT_VERBOSE=1)."""
     if verbose():
         yield
         return
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        fd = 2
+    fd = 2  # native code writes to descriptor 2, whatever sys.stderr is (a notebook kernel replaces it)
     try:
         saved = os.dup(fd)
     except OSError:

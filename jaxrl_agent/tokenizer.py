@@ -54,7 +54,7 @@ class Tokenizer(Protocol):
 
 
 # The built-in vocabulary. Tags the agent emits often are single tokens: fewer decode steps and
-# an unambiguous protocol (background/learning-notes.md).
+# an unambiguous protocol.
 DEFAULT_SPECIAL_TOKENS = (
     "<pad>",
     "<eos>",

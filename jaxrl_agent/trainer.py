@@ -442,10 +442,10 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
         run_rl(run)
         summary = summarize(run.writer.read()) if run.writer.active else {}
         if summary:
-            run.log("summary", run.version, summary, global_step=run.global_step)
-            run.writer.say(f"held-out success (greedy pass@1, levels {config.env.train_difficulties}): after SFT "
-                           f"{summary['after_sft/success']:.3f} -> final {summary['final/success']:.3f} "
-                           f"({summary['gain_points']:+.1f} points)")
+            run.log("summary", run.version, summary, global_step=run.global_step, console=(
+                f"held-out success (greedy pass@1, levels {config.env.train_difficulties}): after SFT "
+                f"{summary['after_sft/success']:.3f} -> final {summary['final/success']:.3f} "
+                f"({summary['gain_points']:+.1f} points)"))
     finally:
         run.close()
     return run.writer.path

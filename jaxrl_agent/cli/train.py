@@ -41,9 +41,12 @@ def main(argv):
         summary = build.smoke_forward(_CONFIG.value)
         print("forward pass ok:", summary, flush=True)
         return
-    from jaxrl_agent import trainer
+    from jaxrl_agent import build, trainer
 
-    path = trainer.train_and_evaluate(_CONFIG.value)
+    try:
+        path = trainer.train_and_evaluate(_CONFIG.value)
+    except build.ConfigError as err:  # a bad value, or a workdir that holds another run: one clear line
+        raise SystemExit(f"error: {err}") from None
     if jax.process_index() == 0:
         print(f"metrics written to {path}", flush=True)
 

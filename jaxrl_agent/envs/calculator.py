@@ -2,7 +2,7 @@
 
 The prompt is a problem such as `Q: 17*23+5=?`; the policy calls
 `calc(expr)` — a safe evaluator over an `ast` whitelist (integers, + - * // % and parentheses;
-never `eval`) — and answers with the integer. Difficulty (from background/learning-notes.md):
+never `eval`) — and answers with the integer. Difficulty:
   1: 2 operations, numbers 1-99      2: 3 operations, 1-99      3: 2 operations, 100-999
   4: 3 operations, 100-999           5: 4 operations, 1-99
 """

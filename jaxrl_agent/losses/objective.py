@@ -14,7 +14,7 @@ log-probs with the sampler's: TIS multiplies policy terms by capped importance w
 tokens from them, Decoupled weights them by pi_prox / pi_sampler (with `old_logprobs` = the proximal
 policy). KL and entropy terms use the batch's original mask. A researcher's own term is any
 callable `(logprobs, batch, mask, weights) -> (scalar, metrics)` wrapped in `CustomTerm`; a whole
-pure loss with the DESIGN.md signature becomes an objective through `objective_from_loss`.
+pure loss with the signature of docs/contracts.md becomes an objective through `objective_from_loss`.
 
 `make_objective` returns an `Objective`: the pure function plus what the learner must compute for
 it — reference log-probs (a KL term: a second, frozen forward pass) and proximal log-probs (the
@@ -289,7 +289,7 @@ class Objective:
 def default_objective_spec() -> ObjectiveSpec:
     """The trainer's default: token-level mirror descent (tau 0.05) with token clipping at 0.2,
     plus truncated importance weights (cap 2) for sampler mismatch and staleness
-    (background/learning-notes.md measured these settings on the tiny agent)."""
+    (settings measured on the tiny agent)."""
     return ObjectiveSpec(
         terms=(PolicyTerm("mirror_descent", tau=0.05, level="token", clip_eps_low=0.2, clip_eps_high=0.2),),
         corrections=(TIS(cap=2.0),),
@@ -339,7 +339,7 @@ def make_objective(spec: ObjectiveSpec | Sequence[Term], *, name: str = "objecti
 
 def objective_from_loss(loss_fn: Callable[..., tuple[jax.Array, Metrics]], cfg: Any = None, *,
                         needs_reference: bool = False, name: str = "custom") -> Objective:
-    """An `Objective` from a pure loss with DESIGN.md's signature:
+    """An `Objective` from a pure loss with the signature of docs/contracts.md:
 
       loss_fn(logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg) -> (loss, metrics)
 

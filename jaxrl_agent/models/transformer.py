@@ -13,7 +13,7 @@ The L decoder blocks run under `nn.scan`, so their parameters are stacked along 
 axis (`params['layers'][...]['kernel']` is `[L, ...]`) and one block is compiled regardless of
 depth. The KV cache holds, per layer, keys `[B, K, D, S]` and values `[B, K, S, D]` (see
 `KVCache`): one head's entries are contiguous over the sequence, which decodes faster on CPU than
-`[L, B, S, K, D]` (see background/learning-notes.md), and a token at position p always lives in
+`[L, B, S, K, D]`, and a token at position p always lives in
 cache slot p, written in place. The cached path runs the layers unrolled over per-layer buffers.
 
 Logits and every softmax are computed in float32 whatever `config.dtype` is.

@@ -101,13 +101,14 @@ def judge_groups(judge: "RubricJudge", groups, decode, *, length_bias_threshold:
     import dataclasses
 
     from jaxrl_agent.rewards.components import length_bias
+    from jaxrl_agent.rollout.episode import run_coroutine  # here: rollout imports rewards
 
     episodes = [t for g in groups for t in g]
 
     async def score_all():
         return await asyncio.gather(*(judge.score(*_transcript(t, decode)) for t in episodes))
 
-    results = asyncio.run(score_all()) if episodes else []
+    results = run_coroutine(score_all()) if episodes else []
     scored = iter(results)
     out = []
     for g in groups:

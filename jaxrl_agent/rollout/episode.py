@@ -31,6 +31,20 @@ class EpisodeEnv(Protocol):
     async def close(self) -> None: ...
 
 
+def run_coroutine(coroutine):
+    """`asyncio.run(coroutine)`, also from a thread that already runs an event loop (a Jupyter or
+    Colab kernel, an async application): there the coroutine runs to completion on a fresh loop in
+    a helper thread, and this call blocks until it has."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="run_coroutine") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def _failed(reason: str, err: BaseException | str) -> env_api.Step:
     return env_api.Step(env_api.Observation(""), 0.0, True,
                         {"finish_reason": reason, "success": False, "error": err if isinstance(err, str) else repr(err)})

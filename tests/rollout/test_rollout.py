@@ -113,3 +113,22 @@ def test_real_sampler_and_env_pool_episode():
     for t in (t for g in groups for t in g):
         assert t.generated_tokens > 0 and t.finish_reason in ("answer", "max_turns", "context_limit")
         assert len(t.tokens) <= 120
+
+
+def test_run_coroutine_works_inside_a_running_event_loop():
+    """Jupyter and Colab kernels run an event loop: evaluation must not call asyncio.run there."""
+    import asyncio
+    import threading
+
+    from jaxrl_agent.rollout.episode import run_coroutine
+
+    async def answer():
+        await asyncio.sleep(0)
+        return threading.current_thread().name
+
+    assert run_coroutine(answer()) == threading.current_thread().name  # no loop: this thread
+
+    async def inside_a_loop():
+        return run_coroutine(answer())
+
+    assert asyncio.run(inside_a_loop()).startswith("run_coroutine")
