@@ -156,3 +156,14 @@ def test_train_on_a_terminal_then_export_plot_and_rerun(tmp_path):
     rl = [r for r in _records(workdir) if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == list(range(1, ITERATIONS + 2))
     assert rl[-1]["global_step"] == TINY["sft.steps"] + ITERATIONS + 1
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_native_stderr_is_silenced_unless_asked_for(verbose):
+    """What native code writes to descriptor 2 inside the block is dropped; JAXRL_AGENT_VERBOSE=1 keeps it."""
+    script = ("import os\nfrom jaxrl_agent import quiet\nwith quiet.native_stderr_silenced():\n"
+              "    os.write(2, b'native noise\\n')\nos.write(2, b'after\\n')\n")
+    env = {**ENV, "JAXRL_AGENT_VERBOSE": "1" if verbose else ""}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ("native noise\nafter\n" if verbose else "after\n")
