@@ -196,7 +196,7 @@ def test_a_hanging_step_in_process_ends_only_its_episode(tmp_path):
     config = _rl_only(tiny_config(tmp_path))
     config.env.imports = "tests.fixtures.faulty_envs"
     config.env.name = "calc_hang"
-    config.env.step_timeout_s = 0.5
+    config.env.step_timeout_s = 2.0  # well above a normal step on a loaded 2-core host, well below the 4 s hang
     config.rl.iterations = 1
     config.rollout.prompts_per_iteration = 4  # task seeds 0..3: seed 0 hangs
     records = _records(trainer.train_and_evaluate(config, quiet=True))
