@@ -272,6 +272,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.exploration.entropy_floor = 0.01
     config.exploration.distinct_solutions_floor = 0.0  # (off: a calculator task has one right call)
 
+    config.sandbox = ml_collections.ConfigDict()
+    # How the `code` environment isolates policy code: 'bwrap' (bubblewrap namespaces + seccomp;
+    # the run refuses to start without it) or 'none' (resource limits and an audit hook only, with a
+    # warning: for trusted code).
+    config.sandbox.isolation = "bwrap"
+
     config.metrics = ml_collections.ConfigDict()
     config.metrics.tensorboard = True  # Also write TensorBoard scalars to workdir/tensorboard.
     config.metrics.wandb_project = ""  # Also log to this Weights & Biases project (pip install ".[wandb]").

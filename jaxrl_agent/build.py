@@ -375,6 +375,16 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
     one_of("metrics.progress", config.metrics.progress, ("auto", "on", "off"))
+    from jaxrl_agent.envs import sandbox
+
+    one_of("sandbox.isolation", config.sandbox.isolation, sandbox.ISOLATIONS)
+    sandboxed = [name for name in mixture if envs.api.uses_sandbox(name)]
+    if sandboxed and config.env.service in ("inprocess", "pool"):
+        try:
+            sandbox.check_isolation(config.sandbox.isolation)
+        except sandbox.SandboxUnavailableError as err:
+            raise ConfigError(f"environments {sandboxed} run policy code in the sandbox "
+                              f"(sandbox.isolation={config.sandbox.isolation!r}): {err}") from None
     if config.metrics.wandb_project:
         import importlib.util
 
@@ -528,6 +538,10 @@ class Environments:
 
         from jaxrl_agent import envs
 
+        from jaxrl_agent.envs import sandbox
+
+        # The code sandbox's isolation, for this process and the env workers it starts.
+        os.environ[sandbox.ISOLATION_ENV] = config.sandbox.isolation
         self.imports = import_env_modules(config)
         self.kwargs = env_kwargs(config)
         self.weights = env_mixture(config)

@@ -27,7 +27,14 @@ def run(argv=None) -> int:
     parser.add_argument("--worker_memory_mb", type=int, default=4096, help="Address-space limit per worker.")
     parser.add_argument("--import", dest="imports", action="append", default=[],
                         help="Module that registers extra environments (repeatable).")
+    parser.add_argument("--sandbox_isolation", default="bwrap", choices=("bwrap", "none"),
+                        help="How the code sandbox isolates policy code (see jaxrl_agent/envs/sandbox.py).")
     args = parser.parse_args(argv[1:] if argv else None)
+    import os
+
+    from jaxrl_agent.envs import sandbox
+
+    os.environ[sandbox.ISOLATION_ENV] = args.sandbox_isolation
     for module in args.imports:
         importlib.import_module(module)
     from jaxrl_agent.envs import pool, remote

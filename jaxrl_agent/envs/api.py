@@ -293,6 +293,12 @@ def factory_module(name: str) -> str | None:
     return None if entry is None else getattr(entry.factory, "__module__", None)
 
 
+def uses_sandbox(name: str) -> bool:
+    """Whether `name`'s environment runs policy code in the sandbox (its factory's `uses_sandbox`)."""
+    entry = _REGISTRY.get(name)
+    return bool(entry is not None and getattr(entry.factory, "uses_sandbox", False))
+
+
 def expert_policy(name: str) -> Expert:
     entry = _REGISTRY.get(name)
     if entry is None:

@@ -98,6 +98,7 @@ def extract_code(answer: str) -> str:
 class CodeEnv(api.ToolEnvironment):
     name = "code"
     difficulties = (1, 2, 3)
+    uses_sandbox = True  # the run checks the sandbox's isolation before it starts
 
     def __init__(self, *, max_turns: int = 4, reward_weights: Mapping[str, float] | None = None,
                  limits: sandbox.SandboxLimits = sandbox.SandboxLimits()):
