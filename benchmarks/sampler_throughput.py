@@ -123,6 +123,9 @@ def decode_step_floor(config, params, rows: int, cache_length: int, peak_gbs: fl
 
 
 def start_server(model, slots, steps, new_tokens):
+    from jaxrl_agent import auth
+
+    os.environ.setdefault(auth.TOKEN_ENV, auth.new_token())  # the server and this client share it
     overrides = [f"--config.model.{k}={v}" for k, v in model.items()] + [
         f"--config.sampler.max_concurrent_decodes={slots}", "--config.sampler.max_prefill_length=16",
         f"--config.sampler.max_cache_length={_cache_length(new_tokens)}", f"--config.sampler.steps_per_call={steps}"]

@@ -116,7 +116,12 @@ class SamplerServers:
             f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
                     "import json\n\nimport ml_collections\n\n\ndef get_config():\n"
                     f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
-        env = dict(os.environ)
+        from jaxrl_agent import auth
+
+        # The servers' shared token: the user's, or a fresh one, handed over in their environment.
+        token = auth.load_token(required=False) or auth.new_token()
+        env = {**os.environ, auth.TOKEN_ENV: token}
+        env.pop(auth.TOKEN_FILE_ENV, None)
         if jax.default_backend() == "cpu":
             # One CPU device per server (not a simulated mesh a test may have asked this process
             # for); other XLA flags are kept, since they are part of the persistent cache's key.
@@ -145,7 +150,7 @@ class SamplerServers:
             self.close()
             raise RuntimeError(f"only {len(addresses)} of {n} sampler servers started within {startup_timeout_s}s")
         self.addresses = addresses
-        self.client = BackgroundSamplerClient(addresses)
+        self.client = BackgroundSamplerClient(addresses, token=token)
 
     def close(self) -> None:
         client = getattr(self, "client", None)

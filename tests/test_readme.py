@@ -185,14 +185,20 @@ def test_real_model_commands_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_several_hosts_commands_run(tmp_path):
+def test_several_hosts_commands_run(tmp_path, monkeypatch):
     """An env server, and a trainer on it with two sampler server processes."""
-    server_command, train = _commands(_block("jaxrl-agent env-server"))
+    export, server_command, train = _commands(_block("jaxrl-agent env-server"))
+    assert export.startswith("export JAXRL_AGENT_TOKEN=$(python3 -c ")
+    token = subprocess.run(["bash", "-c", f"{export} && echo $JAXRL_AGENT_TOKEN"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert len(token) == 64
+    monkeypatch.setenv("JAXRL_AGENT_TOKEN", token)  # the servers, the trainer, and this test's process
     args = shlex.split(server_command.rstrip("&").strip())
     port_index = args.index("--port") + 1
     args[port_index] = "0"
     server = subprocess.Popen([sys.executable, "-m", "jaxrl_agent.cli", *args[1:]], stdout=subprocess.PIPE, text=True,
                               cwd=ROOT, env={**os.environ, **ONE_DEVICE})
+    assert _run("jaxrl-agent env-server --port 0", cwd=ROOT, env={"JAXRL_AGENT_TOKEN": ""}).returncode == 2
     try:
         address = server.stdout.readline().split()[-1]
         train = train.replace("127.0.0.1:7100", address)

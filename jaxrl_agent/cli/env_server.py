@@ -3,8 +3,9 @@
   jaxrl-agent env-server --port 7100 --workers 8 [--host 127.0.0.1] [--import my_envs]
 
 Trainers connect with `--config.env.service=host:port` (`jaxrl_agent.envs.remote`). Prints
-`env server listening on HOST:PORT` once ready (`--port 0` picks a free port). The server has no
-authentication: bind it to 127.0.0.1 (the default) or to a private network only.
+`env server listening on HOST:PORT` once ready (`--port 0` picks a free port). Every request must carry the shared token ($JAXRL_AGENT_TOKEN, or --token_file): the server
+refuses to start without one. It has no TLS yet: bind it to 127.0.0.1 (the default) or an address
+on a private network.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import sys
 
 from jaxrl_agent import quiet
 
@@ -27,6 +29,11 @@ def run(argv=None) -> int:
     parser.add_argument("--worker_memory_mb", type=int, default=4096, help="Address-space limit per worker.")
     parser.add_argument("--import", dest="imports", action="append", default=[],
                         help="Module that registers extra environments (repeatable).")
+    parser.add_argument("--token_file", default=None,
+                        help="File holding the shared token (default: $JAXRL_AGENT_TOKEN or $JAXRL_AGENT_TOKEN_FILE).")
+    parser.add_argument("--max_connections", type=int, default=1024, help="Connections served at once.")
+    parser.add_argument("--idle_timeout_s", type=float, default=600.0, help="A connection idle this long is closed.")
+    parser.add_argument("--request_timeout_s", type=float, default=300.0, help="Per-request deadline.")
     parser.add_argument("--sandbox_isolation", default="bwrap", choices=("bwrap", "none"),
                         help="How the code sandbox isolates policy code (see jaxrl_agent/envs/sandbox.py).")
     args = parser.parse_args(argv[1:] if argv else None)
@@ -35,6 +42,17 @@ def run(argv=None) -> int:
     from jaxrl_agent.envs import sandbox
 
     os.environ[sandbox.ISOLATION_ENV] = args.sandbox_isolation
+    from jaxrl_agent import auth
+
+    try:
+        token = auth.load_token(args.token_file)
+    except auth.AuthError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one descriptor per connection
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     for module in args.imports:
         importlib.import_module(module)
     from jaxrl_agent.envs import pool, remote
@@ -46,7 +64,9 @@ def run(argv=None) -> int:
         print(f"env server listening on {args.host}:{port}", flush=True)
 
     try:
-        asyncio.run(remote.serve(env_pool, args.host, args.port, ready))
+        asyncio.run(remote.serve(env_pool, args.host, args.port, ready, token=token,
+                                 max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
+                                 request_timeout_s=args.request_timeout_s))
     except KeyboardInterrupt:
         pass
     finally:

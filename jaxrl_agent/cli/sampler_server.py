@@ -4,7 +4,9 @@
 
 Serves JetStream's `Orchestrator/Decode` (token ids) and `jaxrl_agent.Sampler` (ids, log-probs,
 versions, finish reasons, weight updates) on one port. Prints
-`sampler server listening on HOST:PORT` when ready (`--port 0` picks a free port).
+`sampler server listening on HOST:PORT` when ready (`--port 0` picks a free port). Every call must
+carry the shared token ($JAXRL_AGENT_TOKEN or --token_file; the server refuses to start without
+one); `LoadCheckpoint` reads only below --checkpoint_root.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from jaxrl_agent import quiet
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.", lock_config=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 to serve other hosts).")
 _PORT = flags.DEFINE_integer("port", 9000, "gRPC port; 0 picks a free one.")
+_TOKEN_FILE = flags.DEFINE_string("token_file", None, "File holding the shared token (default: $JAXRL_AGENT_TOKEN "
+                                  "or $JAXRL_AGENT_TOKEN_FILE).")
+_CHECKPOINT_ROOT = flags.DEFINE_string("checkpoint_root", None, "LoadCheckpoint reads only below this folder "
+                                       "(unset: LoadCheckpoint is disabled).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -28,9 +34,13 @@ def main(argv):
     # JetStream logs every decode step at INFO on the root logger.
     logging.getLogger().setLevel(logging.WARNING)
 
-    from jaxrl_agent import build, config_lib
+    from jaxrl_agent import auth, build, config_lib
     from jaxrl_agent.sampling import engine as engine_lib, server
 
+    try:
+        token = auth.load_token(_TOKEN_FILE.value)
+    except auth.AuthError as err:
+        raise SystemExit(f"error: {err}") from None
     config = _CONFIG.value
     # The run's persistent compilation cache: servers of one run (and of later runs) share compiled
     # prefill and decode shapes instead of each compiling them while the learner waits.
@@ -44,8 +54,8 @@ def main(argv):
     def ready(port):
         print(f"sampler server listening on {_HOST.value}:{port}", flush=True)
 
-    asyncio.run(server.serve(engine, _HOST.value, _PORT.value, default_sampling=default, ready=ready,
-                             pipeline_depth=config.sampler.pipeline_depth))
+    asyncio.run(server.serve(engine, _HOST.value, _PORT.value, token=token, default_sampling=default, ready=ready,
+                             pipeline_depth=config.sampler.pipeline_depth, checkpoint_root=_CHECKPOINT_ROOT.value))
 
 
 def run(argv=None) -> None:

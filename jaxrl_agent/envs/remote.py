@@ -1,9 +1,19 @@
-"""The environment service over the network: `serve(pool, host, port)` and `RemoteEnvPool`.
+"""The environment service over the network: `serve(pool, host, port, token=...)` and `RemoteEnvPool`.
 
 One JSON object per line over TCP (no pickle: nothing a peer sends is executed). The server runs an
-`EnvPool` (`launch/env_server.py`); `RemoteEnvPool` implements the same `EnvService` interface, so
-the trainer talks to local and remote environments alike. Each request runs in a thread on the
+`EnvPool` (`jaxrl-agent env-server`); `RemoteEnvPool` implements the same `EnvService` interface,
+so the trainer talks to local and remote environments alike. Each request runs in a thread on the
 server, so requests from many connections proceed in parallel, as they do on a local pool.
+
+Rules the server enforces:
+  * every request carries the shared token (`jaxrl_agent.auth`); one without it gets an error
+    reply and the connection is closed;
+  * episode ids are random 128-bit strings scoped to the connection that opened the episode: another
+    connection cannot step or close it, and a connection's episodes are closed when it closes;
+  * at most `max_connections` connections; one idle for `idle_timeout_s` is closed; a request
+    running longer than `request_timeout_s` gets an error reply;
+  * a line over `max_line_bytes` or one that is not a JSON request gets an error reply; the server
+    goes on serving.
 """
 
 from __future__ import annotations
@@ -11,30 +21,53 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import secrets
 import socket
 import threading
 from typing import Any, Mapping
 
+from jaxrl_agent import auth
 from jaxrl_agent.envs import api
 from jaxrl_agent.envs.pool import EnvPool, EnvServiceError
 
 _METHODS = ("reset", "step", "close_episode", "worker_pids", "episode_worker_pid", "stats", "num_workers",
             "ensure_workers")
+MAX_LINE_BYTES = 16 * 2**20
 
 
-def _dispatch(pool: EnvPool, method: str, params: Mapping[str, Any]):
+class _Connection:
+    """One client connection's episodes: public id -> the pool's id."""
+
+    def __init__(self):
+        self.episodes: dict[str, str] = {}
+
+    def pool_id(self, params: Mapping[str, Any]) -> str:
+        public = params.get("episode_id")
+        if not isinstance(public, str) or public not in self.episodes:
+            raise EnvServiceError(f"unknown episode {public!r} on this connection (an episode belongs to the "
+                                  "connection that opened it)")
+        return self.episodes[public]
+
+
+def _dispatch(pool: EnvPool, connection: _Connection, method: str, params: Mapping[str, Any]):
+    if not isinstance(params, Mapping):
+        raise EnvServiceError(f"params must be a JSON object, got {type(params).__name__}")
     if method == "reset":
-        episode_id, observation = pool.reset(params["env"], api.Task.from_dict(params["task"]),
-                                             params.get("seed", 0), params.get("env_kwargs"))
-        return {"episode_id": episode_id, "observation": observation.to_dict()}
+        pool_id, observation = pool.reset(params["env"], api.Task.from_dict(params["task"]),
+                                          params.get("seed", 0), params.get("env_kwargs"))
+        public = secrets.token_hex(16)
+        connection.episodes[public] = pool_id
+        return {"episode_id": public, "observation": observation.to_dict()}
     if method == "step":
-        return pool.step(params["episode_id"], params["action"]).to_dict()
+        return pool.step(connection.pool_id(params), params["action"]).to_dict()
     if method == "close_episode":
-        return pool.close_episode(params["episode_id"])
+        pool_id = connection.pool_id(params)
+        del connection.episodes[params["episode_id"]]
+        return pool.close_episode(pool_id)
     if method == "worker_pids":
         return pool.worker_pids()
     if method == "episode_worker_pid":
-        return pool.episode_worker_pid(params["episode_id"])
+        return pool.episode_worker_pid(connection.pool_id(params))
     if method == "stats":
         return dict(pool.stats)
     if method == "num_workers":
@@ -44,40 +77,116 @@ def _dispatch(pool: EnvPool, method: str, params: Mapping[str, Any]):
     raise EnvServiceError(f"unknown method {method!r}; expected one of {_METHODS}")
 
 
-async def _handle_connection(pool: EnvPool, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-    try:
-        while line := await reader.readline():
+class _Server:
+    def __init__(self, pool: EnvPool, token: str, *, max_connections: int, idle_timeout_s: float,
+                 request_timeout_s: float):
+        self.pool, self.token = pool, token
+        self.max_connections, self.idle_timeout_s, self.request_timeout_s = (
+            max_connections, idle_timeout_s, request_timeout_s)
+        self.connections = 0
+        self.stats = {"unauthenticated": 0, "refused_connections": 0, "idle_closed": 0, "bad_requests": 0,
+                      "oversize": 0, "deadline_exceeded": 0}
+
+    async def _reply(self, writer, request_id, *, result=None, error: str | None = None) -> None:
+        reply = {"id": request_id, "error": error} if error is not None else {"id": request_id, "result": result}
+        writer.write((json.dumps(reply, default=str) + "\n").encode())
+        await writer.drain()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= self.max_connections:
+            self.stats["refused_connections"] += 1
             try:
-                request = json.loads(line)
-                result = await asyncio.to_thread(_dispatch, pool, request["method"], request.get("params", {}))
-                reply = {"id": request.get("id"), "result": result}
-            except Exception as err:  # noqa: BLE001 - a bad request gets an error reply, not a dead server
-                reply = {"id": None, "error": f"{type(err).__name__}: {err}"}
-            writer.write((json.dumps(reply, default=str) + "\n").encode())
-            await writer.drain()
-    except (ConnectionError, asyncio.IncompleteReadError):
-        pass
-    finally:
-        writer.close()
+                await self._reply(writer, None, error=f"too many connections (limit {self.max_connections})")
+            except ConnectionError:
+                pass
+            writer.close()
+            return
+        self.connections += 1
+        connection = _Connection()
+        try:
+            while True:
+                try:
+                    line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    self.stats["idle_closed"] += 1
+                    break
+                except ValueError:  # a line over the reader's limit (the buffer is dropped)
+                    self.stats["oversize"] += 1
+                    await self._reply(writer, None, error=f"request over {MAX_LINE_BYTES} bytes")
+                    break
+                if not line:
+                    break
+                try:
+                    request = json.loads(line)
+                    if not isinstance(request, dict) or not isinstance(request.get("method"), str):
+                        raise ValueError("expected a JSON object with a 'method'")
+                except ValueError as err:
+                    self.stats["bad_requests"] += 1
+                    await self._reply(writer, None, error=f"bad request: {err}")
+                    continue
+                request_id = request.get("id")
+                if not auth.matches(request.get("token"), self.token):
+                    self.stats["unauthenticated"] += 1
+                    await self._reply(writer, request_id, error="unauthenticated: the request's token does not "
+                                                                 "match the server's")
+                    break
+                try:
+                    result = await asyncio.wait_for(asyncio.to_thread(
+                        _dispatch, self.pool, connection, request["method"], request.get("params", {})),
+                        self.request_timeout_s)
+                except asyncio.TimeoutError:
+                    self.stats["deadline_exceeded"] += 1
+                    await self._reply(writer, request_id, error=f"deadline exceeded ({self.request_timeout_s} s)")
+                    continue
+                except Exception as err:  # noqa: BLE001 - a bad request gets an error reply, not a dead server
+                    await self._reply(writer, request_id, error=f"{type(err).__name__}: {err}")
+                    continue
+                await self._reply(writer, request_id, result=result)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.connections -= 1
+            for pool_id in connection.episodes.values():  # the connection's episodes end with it
+                try:
+                    await asyncio.to_thread(self.pool.close_episode, pool_id)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            writer.close()
 
 
-async def serve(pool: EnvPool, host: str = "127.0.0.1", port: int = 0, ready=None) -> None:
+async def serve(pool: EnvPool, host: str = "127.0.0.1", port: int = 0, ready=None, *, token: str,
+                max_connections: int = 1024, idle_timeout_s: float = 600.0, request_timeout_s: float = 300.0) -> None:
     """Serves `pool` until cancelled; `ready(port)` is called once listening (port 0 = any free)."""
-    server = await asyncio.start_server(lambda r, w: _handle_connection(pool, r, w), host, port, limit=2**24)
-    bound = server.sockets[0].getsockname()[1]
+    if not token:
+        raise auth.AuthError("the env server needs a token (jaxrl_agent.auth)")
+    server = _Server(pool, token, max_connections=max_connections, idle_timeout_s=idle_timeout_s,
+                     request_timeout_s=request_timeout_s)
+    listener = await asyncio.start_server(server.handle, host, port, limit=MAX_LINE_BYTES)
+    bound = listener.sockets[0].getsockname()[1]
     if ready is not None:
         ready(bound)
-    async with server:
-        await server.serve_forever()
+    async with listener:
+        await listener.serve_forever()
+
+
+def _close(connection) -> None:
+    """Closes a (socket, reader) pair: the descriptor stays open while either holds it."""
+    sock, reader = connection
+    reader.close()
+    sock.close()
 
 
 class RemoteEnvPool:
-    """Client of `launch/env_server.py`; thread-safe (a small pool of connections)."""
+    """Client of `jaxrl-agent env-server`; thread-safe. An episode keeps the connection that opened
+    it until it is closed (the server scopes episodes to connections); other calls use any idle one.
+    `token`: the server's (default: `auth.load_token()`)."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = 120.0):
+    def __init__(self, host: str, port: int, *, timeout_s: float = 120.0, token: str | None = None):
         self.address = (host, port)
         self.timeout_s = timeout_s
+        self.token = token or auth.load_token()
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._episodes: dict[str, tuple] = {}
         self._ids = 0
         self._lock = threading.Lock()
 
@@ -91,42 +200,67 @@ class RemoteEnvPool:
                 raise EnvServiceError(f"cannot reach env server at {self.address}: {err}") from None
             return sock, sock.makefile("rb")
 
-    def _call(self, method: str, **params):
+    def _call(self, method: str, connection=None, **params):
         with self._lock:
             self._ids += 1
             request_id = self._ids
-        sock, reader = self._connection()
+        own = connection is None
+        sock, reader = connection or self._connection()
         try:
-            sock.sendall((json.dumps({"id": request_id, "method": method, "params": params}) + "\n").encode())
+            sock.sendall((json.dumps({"id": request_id, "method": method, "params": params, "token": self.token})
+                          + "\n").encode())
             line = reader.readline()
         except OSError as err:
-            sock.close()
+            _close((sock, reader))
             raise EnvServiceError(f"env server {self.address} failed during {method}: {err}") from None
         if not line:
-            sock.close()
+            _close((sock, reader))
             raise EnvServiceError(f"env server {self.address} closed the connection during {method}")
-        self._idle.put((sock, reader))
+        if own:
+            self._idle.put((sock, reader))
         reply = json.loads(line)
-        if "error" in reply:
+        if reply.get("error") is not None:
             raise EnvServiceError(f"env server: {reply['error']}")
         return reply["result"]
 
     def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
               ) -> tuple[str, api.Observation]:
-        result = self._call("reset", env=env, task=task.to_dict(), seed=seed, env_kwargs=dict(env_kwargs or {}))
+        connection = self._connection()
+        try:
+            result = self._call("reset", connection, env=env, task=task.to_dict(), seed=seed,
+                                env_kwargs=dict(env_kwargs or {}))
+        except EnvServiceError:
+            _close(connection)
+            raise
+        with self._lock:
+            self._episodes[result["episode_id"]] = connection
         return result["episode_id"], api.Observation.from_dict(result["observation"])
 
+    def _episode_connection(self, episode_id: str):
+        with self._lock:
+            connection = self._episodes.get(episode_id)
+        if connection is None:
+            raise EnvServiceError(f"unknown episode {episode_id!r} (not opened by this client, or closed)")
+        return connection
+
     def step(self, episode_id: str, action: str) -> api.Step:
-        return api.Step.from_dict(self._call("step", episode_id=episode_id, action=action))
+        return api.Step.from_dict(self._call("step", self._episode_connection(episode_id), episode_id=episode_id,
+                                             action=action))
 
     def close_episode(self, episode_id: str) -> None:
-        self._call("close_episode", episode_id=episode_id)
+        connection = self._episode_connection(episode_id)
+        try:
+            self._call("close_episode", connection, episode_id=episode_id)
+        finally:
+            with self._lock:
+                self._episodes.pop(episode_id, None)
+        self._idle.put(connection)
 
     def worker_pids(self) -> list[int]:
         return self._call("worker_pids")
 
     def episode_worker_pid(self, episode_id: str) -> int:
-        return self._call("episode_worker_pid", episode_id=episode_id)
+        return self._call("episode_worker_pid", self._episode_connection(episode_id), episode_id=episode_id)
 
     @property
     def stats(self) -> dict:
@@ -140,12 +274,15 @@ class RemoteEnvPool:
         self._call("ensure_workers")
 
     def close(self) -> None:
+        with self._lock:
+            held, self._episodes = list(self._episodes.values()), {}
+        for connection in held:  # the server closes these connections' episodes
+            _close(connection)
         while True:
             try:
-                sock, _ = self._idle.get_nowait()
+                _close(self._idle.get_nowait())
             except queue.Empty:
                 return
-            sock.close()
 
 
 class RemoteEnvServices:

@@ -24,6 +24,8 @@ import numpy as np
 
 import grpc
 
+from jaxrl_agent import auth
+
 from jaxrl_agent.sampling.types import Completion, PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling.server import GRPC_OPTIONS, SERVICE, encode_weights
 
@@ -36,15 +38,18 @@ class SamplerUnavailableError(RuntimeError):
 
 
 class _Server:
-    def __init__(self, address: str):
+    def __init__(self, address: str, token: str):
+        import functools
+
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         as_json = dict(request_serializer=lambda r: json.dumps(r).encode(), response_deserializer=json.loads)
-        self.generate = self.channel.unary_unary(f"/{SERVICE}/Generate", **as_json)
-        self.info = self.channel.unary_unary(f"/{SERVICE}/Info", **as_json)
-        self.load_checkpoint = self.channel.unary_unary(f"/{SERVICE}/LoadCheckpoint", **as_json)
-        self.update_weights = self.channel.unary_unary(f"/{SERVICE}/UpdateWeights", request_serializer=None,
-                                                       response_deserializer=json.loads)
+        signed = functools.partial(functools.partial, metadata=((auth.METADATA_KEY, f"Bearer {token}"),))
+        self.generate = signed(self.channel.unary_unary(f"/{SERVICE}/Generate", **as_json))
+        self.info = signed(self.channel.unary_unary(f"/{SERVICE}/Info", **as_json))
+        self.load_checkpoint = signed(self.channel.unary_unary(f"/{SERVICE}/LoadCheckpoint", **as_json))
+        self.update_weights = signed(self.channel.unary_unary(f"/{SERVICE}/UpdateWeights", request_serializer=None,
+                                                              response_deserializer=json.loads))
         self.in_flight = 0
         self.down_until = 0.0
 
@@ -53,13 +58,16 @@ class SamplerClient:
     """Args: addresses of the servers; timeout_s per request; cooldown_s a failed server is avoided;
     max_attempts per request (default 2 per server); affinity_entries first prompts remembered for
     prefix affinity (least recently used dropped; 0 = off); affinity_slack extra requests in flight
-    tolerated on the affine server before the least loaded one is used instead."""
+    tolerated on the affine server before the least loaded one is used instead; token the servers'
+    shared token (default: `auth.load_token()`)."""
 
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 300.0, cooldown_s: float = 5.0,
-                 max_attempts: int | None = None, affinity_entries: int = 4096, affinity_slack: int = 32):
+                 max_attempts: int | None = None, affinity_entries: int = 4096, affinity_slack: int = 32,
+                 token: str | None = None):
         if not addresses:
             raise ValueError("SamplerClient needs at least one server address")
-        self._servers = [_Server(a) for a in addresses]
+        token = token or auth.load_token()
+        self._servers = [_Server(a, token) for a in addresses]
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
         self.max_attempts = max_attempts or 2 * len(addresses)

@@ -12,6 +12,10 @@ threads) and so the same KV-cache slots:
 
 Prompts longer than the engine's max prefill length are rejected (INVALID_ARGUMENT), never
 truncated. Our prefill thread never prepends a BOS: prompts arrive as complete id sequences.
+
+Every call on either service must carry the shared token (`jaxrl_agent.auth`) as gRPC metadata
+`authorization: Bearer <token>`; others get UNAUTHENTICATED. `LoadCheckpoint` reads only below the
+server's `checkpoint_root` (disabled without one).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+
+from jaxrl_agent import auth
 
 from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
@@ -284,7 +290,9 @@ class SamplerOrchestrator(orchestrator.LLMOrchestrator):
 
 
 class SamplerService:
-    """Our JSON service: Generate, UpdateWeights, LoadCheckpoint, Info."""
+    """Our JSON service: Generate, UpdateWeights, LoadCheckpoint (below `checkpoint_root` only), Info."""
+
+    checkpoint_root: str | None = None
 
     def __init__(self, driver: SamplerDriver):
         self.driver = driver
@@ -325,8 +333,18 @@ class SamplerService:
         return {"version": self.engine.version}
 
     async def load_checkpoint(self, request: dict, context) -> dict:
+        import os
+
         import orbax.checkpoint as ocp
 
+        root = self.checkpoint_root
+        if root is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "LoadCheckpoint is disabled: start the server with --checkpoint_root=DIR")
+        path = os.path.realpath(str(request.get("path", "")))
+        if not path.startswith(os.path.realpath(root) + os.sep):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"LoadCheckpoint reads only below {root!r}, not {request.get('path')!r}")
         try:
             target = self.engine.param_template()
             params = await asyncio.to_thread(ocp.StandardCheckpointer().restore, request["path"], target)
@@ -359,14 +377,48 @@ def encode_weights(params, version: int) -> bytes:
     return struct.pack("<q", int(version)) + serialization.msgpack_serialize(jax.device_get(params))
 
 
-async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *,
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call whose `authorization` metadata is not `Bearer <token>` (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self.refused = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        presented = dict(handler_call_details.invocation_metadata or ()).get(auth.METADATA_KEY, "")
+        if handler is None or (presented.startswith("Bearer ")
+                               and auth.matches(presented[len("Bearer "):], self.token)):
+            return handler
+        self.refused += 1
+        message = "unauthenticated: the call's token does not match the server's"
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # (unreachable: abort raises)
+
+        kinds = dict(request_deserializer=handler.request_deserializer,
+                     response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(refuse_stream, **kinds)
+        return grpc.unary_unary_rpc_method_handler(refuse, **kinds)
+
+
+async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *, token: str,
                 default_sampling: SamplingParams = SamplingParams(temperature=0.0), ready=None,
-                pipeline_depth: int = 1) -> None:
+                pipeline_depth: int = 1, checkpoint_root: str | None = None) -> None:
     """Runs both services until cancelled. `ready(port)` is called once listening."""
+    if not token:
+        raise auth.AuthError("the sampler server needs a token (jaxrl_agent.auth)")
     driver = SamplerDriver(engine, default_sampling, pipeline_depth=pipeline_depth)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=(TokenInterceptor(token),))
     jetstream_pb2_grpc.add_OrchestratorServicer_to_server(SamplerOrchestrator(driver), server)
-    server.add_generic_rpc_handlers((SamplerService(driver).handler(),))
+    service = SamplerService(driver)
+    service.checkpoint_root = checkpoint_root
+    server.add_generic_rpc_handlers((service.handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     if ready is not None:

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_agent import build, config_lib
+from jaxrl_agent import auth, build, config_lib
 from jaxrl_agent.sampling import PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling.client import SamplerClient
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
@@ -63,9 +64,15 @@ def _greedy(prompt, max_tokens, params):
     return out
 
 
+CHECKPOINT_ROOT = tempfile.mkdtemp(prefix="jaxrl_sampler_checkpoints_")  # LoadCheckpoint reads only below it
+TOKEN = os.environ["JAXRL_AGENT_TOKEN"]
+SIGNED = ((auth.METADATA_KEY, f"Bearer {TOKEN}"),)
+
+
 def _start_server(log_path, **env):
     args = [sys.executable, str(ROOT / "launch" / "sampler_server.py"), "--config", "configs/calculator_tiny.py",
-            "--port", "0", "--host", "127.0.0.1"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+            "--port", "0", "--host", "127.0.0.1", f"--checkpoint_root={CHECKPOINT_ROOT}"] + [
+        f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     with open(log_path, "w") as log:  # the server's stderr, shown when a test finds a server dead
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", **env))
@@ -106,13 +113,13 @@ def servers(tmp_path_factory):
                 proc.kill()
 
 
-async def _stock_decode(address, prompt, max_tokens):
+async def _stock_decode(address, prompt, max_tokens, metadata=SIGNED):
     async with grpc.aio.insecure_channel(address) as channel:
         stub = jetstream_pb2_grpc.OrchestratorStub(channel)
         request = jetstream_pb2.DecodeRequest(
             token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt), max_tokens=max_tokens)
         ids = []
-        async for response in stub.Decode(request):
+        async for response in stub.Decode(request, metadata=metadata):
             for sample in response.stream_content.samples:
                 ids.extend(sample.token_ids)
         return ids
@@ -219,9 +226,10 @@ def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
         import orbax.checkpoint as ocp
 
         checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(str(tmp_path / "ckpt"), PARAMS)
+        path = os.path.join(CHECKPOINT_ROOT, f"ckpt_{os.getpid()}")
+        checkpointer.save(path, PARAMS)
         checkpointer.wait_until_finished()
-        assert await client.load_checkpoint(str(tmp_path / "ckpt"), 20) == {}
+        assert await client.load_checkpoint(path, 20) == {}
         restored = await client.generate(TOKENIZER.encode("Q: 2+2=?"), SamplingParams(temperature=0.0, max_tokens=8))
         infos = await client.info()
         await client.close()
@@ -241,6 +249,40 @@ def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
     assert set(restored.versions) == {20}
     assert list(restored.token_ids) == greedy_reference(TOKENIZER.encode("Q: 2+2=?"), 8)
     assert [i["version"] for i in infos] == [20, 20]
+
+
+def test_calls_without_the_token_and_checkpoints_outside_the_root_are_refused(servers, tmp_path):
+    addresses = [a for _, a in servers]
+
+    async def run():
+        intruder = SamplerClient(addresses, token="not-the-token")
+        refused = await intruder.update_weights(jax.tree.map(lambda x: x * 0, PARAMS), 999)
+        try:
+            await intruder.generate(TOKENIZER.encode("Q: 1+1=?"), SamplingParams(max_tokens=2))
+            generated = True
+        except grpc.aio.AioRpcError as err:
+            generated = err.code()
+        await intruder.close()
+        try:
+            await _stock_decode(addresses[0], TOKENIZER.encode("hi"), 2, metadata=())
+            stock = True
+        except grpc.aio.AioRpcError as err:
+            stock = err.code()
+        client = SamplerClient(addresses)
+        outside = await client.load_checkpoint(str(tmp_path / "anything"), 998)
+        escape = await client.load_checkpoint(os.path.join(CHECKPOINT_ROOT, "..", "etc"), 997)
+        infos = await client.info()
+        await client.close()
+        return refused, generated, stock, outside, escape, infos
+
+    refused, generated, stock, outside, escape, infos = _run(servers, run())
+    assert set(refused) == set(addresses)
+    assert all(err.code() == grpc.StatusCode.UNAUTHENTICATED for err in refused.values())
+    assert generated == grpc.StatusCode.UNAUTHENTICATED and stock == grpc.StatusCode.UNAUTHENTICATED
+    for failures in (outside, escape):
+        assert set(failures) == set(addresses)
+        assert all(err.code() == grpc.StatusCode.PERMISSION_DENIED for err in failures.values())
+    assert all(info["version"] not in (997, 998, 999) for info in infos)
 
 
 def test_killing_one_server_finishes_every_request_on_the_other(servers):
