@@ -260,6 +260,8 @@ def get_config() -> ml_collections.ConfigDict:
     # cores). Real vocabularies (the HF configs) turn it on.
     config.learner.target_multiple = 0
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
+    # Stop the run after this many learner updates in a row were skipped as non-finite (0 = never).
+    config.learner.max_consecutive_skips = 5
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 20  # Evaluate every N RL iterations (and after SFT, and at the end; 0 = only those).

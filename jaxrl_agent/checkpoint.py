@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import jax
@@ -71,26 +72,61 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def latest(self) -> RunState | None:
-        step = self.manager.latest_step()
-        if step is None:
-            return None
+        """The run state of the newest checkpoint that restores whole (its run state and every array
+        read back); newer ones that do not — a truncated or corrupted write — are skipped, listed in
+        `self.skipped` as (step, reason) and moved to `<workdir>/unrestorable_checkpoints/`;
+        `self.step` is the one chosen. None when no checkpoint restores."""
         ocp = self._ocp
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        return RunState.from_dict(meta)
+        self.skipped: list[tuple[int, str]] = []
+        self.step = None
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                run_state = RunState.from_dict(meta)
+                arrays = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(None)))["state"]
+                jax.block_until_ready(arrays)
+                del arrays
+            except Exception as err:  # noqa: BLE001 - any failure to read it back disqualifies the checkpoint
+                self.skipped.append((step, f"{type(err).__name__}: {str(err)[:300]}"))
+                continue
+            self.step = step
+            self._set_aside(step)
+            return run_state
+        return None
+
+    def _set_aside(self, chosen: int) -> None:
+        """Moves the unrestorable checkpoints newer than `chosen` out of the manager's folder (to
+        `<workdir>/unrestorable_checkpoints/`), so the resumed run can write those steps again."""
+        newer = [step for step, _ in self.skipped if step > chosen]
+        if not newer:
+            return
+        directory = os.fspath(self.manager.directory)
+        aside = os.path.join(os.path.dirname(directory.rstrip(os.sep)), "unrestorable_checkpoints")
+        os.makedirs(aside, exist_ok=True)
+        for step in newer:
+            target = os.path.join(aside, f"{step}-{int(time.time())}")
+            os.rename(os.path.join(directory, str(step)), target)
+        self.manager.reload()
+
+    def _chosen_step(self) -> int:
+        if getattr(self, "step", None) is None and self.latest() is None:
+            raise FileNotFoundError(f"no checkpoint in {self.manager.directory} restores")
+        return self.step
 
     def restore_state(self, target: dict[str, Any]) -> dict[str, Any]:
-        """The latest learner state in the shapes, dtypes and shardings of `target`."""
+        """The state of the checkpoint `latest()` chose, in the shapes, dtypes and shardings of `target`."""
         ocp = self._ocp
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        step = self.manager.latest_step()
-        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        return self.manager.restore(self._chosen_step(),
+                                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
     def restore_params(self, params_target):
-        """Only the parameters of the latest checkpoint, cast to `params_target`'s dtypes (its
-        optimizer state may belong to another optimizer)."""
+        """Only the parameters of the checkpoint `latest()` chose, cast to `params_target`'s dtypes
+        (its optimizer state may belong to another optimizer)."""
         ocp = self._ocp
-        step = self.manager.latest_step()
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))["state"]
+        restored = self.manager.restore(self._chosen_step(),
+                                        args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))["state"]
         return jax.tree.map(lambda target, value: jnp.asarray(value, target.dtype), params_target, restored["params"])
 
     def close(self) -> None:

@@ -42,6 +42,11 @@ from jaxrl_agent.sampling import SamplingParams
 DEMONSTRATION_SEED_OFFSET = 2_000_000
 
 
+class RunStopped(RuntimeError):
+    """The run stopped itself, cleanly, for the reason given (its records and last good checkpoint
+    are kept): a run of non-finite updates, a checkpoint that could not be written."""
+
+
 # Stages logged during RL: their global step is `sft.steps` + the RL iteration.
 RL_STAGES = ("rl", "rl_eval", "rl_end", "resume")
 
@@ -87,6 +92,8 @@ class Run:
     trained_tokens_total: int = 0
     last_eval_seconds: float = 0.0
     global_step: int = 0  # the last record's step on the one counter across stages
+    consecutive_skips: int = 0  # learner updates in a row skipped as non-finite
+    skipped_checkpoints: list = dataclasses.field(default_factory=list)  # (step, reason) resume passed over
 
     def log(self, stage: str, step: int, metrics: dict[str, Any], *, console: str | None = None,
             global_step: int | None = None) -> None:
@@ -140,8 +147,24 @@ class Run:
         self.sampler.update_weights(params, self.version)
 
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
+        """Writes a checkpoint; one that cannot be written (a full disk) stops the run cleanly, with
+        the previous checkpoint kept (orbax writes to a temporary folder and renames it at the end)."""
+        step = self.config.sft.steps + iteration
+        try:
+            self._save(step, stage, iteration, state, source)
+        except Exception as err:  # noqa: BLE001 - OSError (ENOSPC, EIO) or orbax's wrapping of it
+            kept = self.checkpointer.manager.latest_step()
+            message = (f"checkpoint step {step} could not be written ({type(err).__name__}: {err}); stopping. The "
+                       f"previous checkpoint ({'step ' + str(kept) if kept is not None else 'none'}) is kept: "
+                       "free space and rerun with --config.resume=True")
+            self.log("checkpoint_failed", iteration, {"checkpoint_step": step, "error": f"{type(err).__name__}: {err}",
+                                                      "kept_step": -1 if kept is None else kept},
+                     global_step=step, console=f"error: {message}")
+            raise RunStopped(message) from err
+
+    def _save(self, step, stage, iteration, state, source):
         arrays = checkpoint.learner_arrays(state, self.judge_params)
-        self.checkpointer.save(self.config.sft.steps + iteration, arrays, checkpoint.RunState(
+        self.checkpointer.save(step, arrays, checkpoint.RunState(
             stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
             trained_tokens_total=self.trained_tokens_total,
             source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
@@ -195,6 +218,13 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         raise
     checkpointer = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     resume = checkpointer.latest() if config.resume else None
+    skipped_checkpoints = list(getattr(checkpointer, "skipped", [])) if config.resume else []
+    if config.resume and resume is None and skipped_checkpoints:
+        checkpointer.close()
+        environments.close()
+        servers.close() if servers is not None else sampler.close()
+        raise build.ConfigError(f"resume=True but no checkpoint in {workdir}/checkpoints restores: "
+                                f"{skipped_checkpoints}")
     r = config.rollout
     named = environments.environments
     train = {n: evaluation.levels_for(e, _levels(config.env.train_difficulties)) for n, e in named.items()}
@@ -215,7 +245,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
             drop_zero_advantage_groups=r.drop_zero_advantage_groups,
             max_staleness=r.max_staleness if r.schedule == "async" else None, stale_policy=r.stale_policy),
         eval_spec=evaluation.EvalSpec(evals, config.eval.tasks_per_difficulty, config.eval.pass_k),
-        train_levels=train, sft_levels=sft, resume=resume,
+        train_levels=train, sft_levels=sft, resume=resume, skipped_checkpoints=skipped_checkpoints,
         # Wall time of the run so far: this process since it started building, plus what earlier
         # segments of a resumed run recorded in their last checkpoint.
         started=started - (resume.elapsed_seconds if resume is not None else 0.0),
@@ -356,6 +386,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         state, step_fn, batch, rng=run.rng, minibatches=config.rl.minibatches, row_length=config.learner.row_length,
         row_multiple=learner.row_multiple_for(run.mesh, config.learner.row_multiple, config.rl.row_multiple),
         target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal)
+    for skipped in learner_metrics.pop("update_skipped_flags", []):
+        run.consecutive_skips = run.consecutive_skips + 1 if skipped else 0
     if batch:
         run.push_weights(state.params)
     learn_seconds = time.perf_counter() - learn_started
@@ -400,6 +432,14 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     run.writer.console.advance(1, {"success": record["success"], "reward": record["reward"],
                                    "tok/s": round(record["trained_tokens_per_second"]),
                                    "budget_eta": f"{eta / 60:.1f}min"})
+    limit = config.learner.max_consecutive_skips
+    if limit > 0 and run.consecutive_skips >= limit:
+        message = (f"the last {run.consecutive_skips} learner updates were skipped (non-finite loss or gradients; "
+                   f"learner.max_consecutive_skips={limit}): stopping at RL iteration {iteration}. The parameters are "
+                   "the last finite ones; lower the learning rate or check the objective and rewards")
+        run.log("rl_end", iteration, {"reason": "non_finite_updates", "iterations": iteration,
+                                      "elapsed_seconds": run.elapsed_seconds()}, console=f"error: {message}")
+        raise RunStopped(message)
     if _every(config.checkpoint.every, iteration) or iteration == config.rl.iterations:
         run.save("rl", iteration, state, source)
     if _every(config.eval.every, iteration) or iteration == config.rl.iterations:
@@ -436,6 +476,11 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
                              "processes": jax.process_count(), "objective": run.objective.name,
                              "environments": ",".join(run.environments.environments)},
                 global_step=0 if run.resume is None else config.sft.steps + run.resume.iteration)
+        for step, reason in run.skipped_checkpoints:
+            run.log("checkpoint_skipped", step - config.sft.steps, {"checkpoint_step": step, "error": reason},
+                    global_step=step, console=f"warning: checkpoint step {step} does not restore ({reason}); resuming "
+                                              f"from the newest one that does"
+                                              f"{' (step ' + str(run.checkpointer.step) + ')' if run.resume else ''}")
         if run.resume is None:
             run.log("initial_eval", 0, run.evaluate())
         run_sft(run)

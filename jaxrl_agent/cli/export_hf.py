@@ -40,8 +40,10 @@ def export(config, workdir: str, out: str, *, max_shard_bytes: int | None = None
     checkpointer = checkpoint.Checkpointer(checkpoints, keep=config.checkpoint.keep)
     try:
         run_state = checkpointer.latest()
+        if run_state is None:
+            raise FileNotFoundError(f"no checkpoint in {checkpoints} restores: {checkpointer.skipped}")
         params = checkpointer.restore_params(params)
-        step = checkpointer.manager.latest_step()
+        step = checkpointer.step
     finally:
         checkpointer.close()
     models.save_hf(out, model_config, params, max_shard_bytes=max_shard_bytes)

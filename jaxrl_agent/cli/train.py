@@ -45,7 +45,7 @@ def main(argv):
 
     try:
         path = trainer.train_and_evaluate(_CONFIG.value)
-    except build.ConfigError as err:  # a bad value, or a workdir that holds another run: one clear line
+    except (build.ConfigError, trainer.RunStopped) as err:  # a bad value, a used workdir, a run that stopped
         raise SystemExit(f"error: {err}") from None
     if jax.process_index() == 0:
         print(f"metrics written to {path}", flush=True)

@@ -33,7 +33,9 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
               proximal_logprobs: Callable | None = None) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
-    new state and the last step's metrics as floats ({} when there is nothing to train on)."""
+    new state and the last step's metrics as floats ({} when there is nothing to train on), with
+    `update_skipped` the number of this call's steps that were skipped as non-finite,
+    `update_skipped_flags` each step's flag in order, and `skipped_steps_total` the state's count."""
     from jaxrl_agent import replay
 
     if not trajectories:
@@ -48,10 +50,16 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
         batches.append(jax.device_put(batch, sharding.batch_sharding(mesh)))
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
-    metrics = {}
+    metrics, skipped = {}, []
     for batch in batches:
         state, metrics = step_fn(state, batch)
-    return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+        skipped.append(metrics["update_skipped"])
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    # Every step's skip flag (a non-finite loss or gradient leaves the parameters as they were), in order.
+    out["update_skipped"] = float(sum(jax.device_get(skipped)))
+    out["update_skipped_flags"] = [bool(flag) for flag in jax.device_get(skipped)]
+    out["skipped_steps_total"] = float(jax.device_get(state.skipped_steps))
+    return state, out
 
 
 def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int) -> int:
