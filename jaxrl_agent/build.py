@@ -96,28 +96,29 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 class SamplerServers:
     """`n` JetStream sampler server processes (`jaxrl-agent sampler-server`) on this host, serving the
-    run's exact config, and a client over all of them.
+    run's exact config, a client over all of them, and a supervisor.
 
     The config (with its command-line overrides) is written to `<workdir>/sampler_config.py`, a
     config file that rebuilds it from JSON, and each server loads it. Servers start from the same
-    random init as the trainer; the trainer pushes its weights before the first sample.
+    random init as the trainer; the trainer pushes its weights before the first sample. A server
+    that dies is restarted on its port and re-sent the latest weights (`restarts` counts them);
+    meanwhile the client sends its requests to the others, or waits for it when it is the only one.
     """
 
-    def __init__(self, config, n: int, workdir: str, startup_timeout_s: float = 300.0):
+    def __init__(self, config, n: int, workdir: str, startup_timeout_s: float = 300.0, *, supervise: bool = True):
         import json
-        import subprocess
         import sys
+        import threading
 
+        from jaxrl_agent import auth
         from jaxrl_agent.sampling.client import BackgroundSamplerClient
 
         os.makedirs(workdir, exist_ok=True)
-        config_path = os.path.join(os.path.abspath(workdir), "sampler_config.py")
-        with open(config_path, "w") as f:
+        self.config_path = os.path.join(os.path.abspath(workdir), "sampler_config.py")
+        with open(self.config_path, "w") as f:
             f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
                     "import json\n\nimport ml_collections\n\n\ndef get_config():\n"
                     f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
-        from jaxrl_agent import auth
-
         # The servers' shared token: the user's, or a fresh one, handed over in their environment.
         token = auth.load_token(required=False) or auth.new_token()
         env = {**os.environ, auth.TOKEN_ENV: token}
@@ -130,29 +131,60 @@ class SamplerServers:
             if flags:
                 env["XLA_FLAGS"] = " ".join(flags)
             env["JAX_PLATFORMS"] = "cpu"
-        self.processes = [subprocess.Popen([sys.executable, "-m", "jaxrl_agent.cli", "sampler-server", "--config",
-                                            config_path, "--port", "0"],
-                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-                          for _ in range(n)]
-        addresses = []
-        deadline = time.monotonic() + startup_timeout_s
-        for process in self.processes:
-            for line in process.stdout:
-                if line.startswith("sampler server listening on "):
-                    addresses.append(line.split()[-1])
-                    break
-                if time.monotonic() > deadline:
-                    break
-            else:
-                self.close()
-                raise RuntimeError(f"sampler server {process.args} exited with {process.poll()} before serving")
-        if len(addresses) != n:
+        self._env, self._python = env, sys.executable
+        self.startup_timeout_s = startup_timeout_s
+        self.restarts = 0
+        self.processes = [self._spawn(0) for _ in range(n)]
+        try:
+            self.addresses = [self._wait_ready(p) for p in self.processes]
+        except RuntimeError:
             self.close()
-            raise RuntimeError(f"only {len(addresses)} of {n} sampler servers started within {startup_timeout_s}s")
-        self.addresses = addresses
-        self.client = BackgroundSamplerClient(addresses, token=token)
+            raise
+        self.client = BackgroundSamplerClient(self.addresses, token=token, supervised=supervise)
+        self._closing = threading.Event()
+        self._monitor = None
+        if supervise:
+            self._monitor = threading.Thread(target=self._supervise, name="sampler-supervisor", daemon=True)
+            self._monitor.start()
+
+    def _spawn(self, port: int):
+        import subprocess
+
+        return subprocess.Popen([self._python, "-m", "jaxrl_agent.cli", "sampler-server", "--config", self.config_path,
+                                 "--port", str(port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self._env)
+
+    def _wait_ready(self, process) -> str:
+        deadline = time.monotonic() + self.startup_timeout_s
+        for line in process.stdout:
+            if line.startswith("sampler server listening on "):
+                return line.split()[-1]
+            if time.monotonic() > deadline:
+                break
+        raise RuntimeError(f"sampler server {process.args} exited with {process.poll()} (or did not start within "
+                           f"{self.startup_timeout_s} s)")
+
+    def _supervise(self) -> None:
+        while not self._closing.wait(1.0):
+            for index, process in enumerate(self.processes):
+                if process.poll() is None or self._closing.is_set():
+                    continue
+                port = int(self.addresses[index].rsplit(":", 1)[1])
+                try:
+                    replacement = self._spawn(port)
+                    self.processes[index] = replacement
+                    self._wait_ready(replacement)
+                    self.client.resync(index)
+                    self.restarts += 1
+                except Exception as err:  # noqa: BLE001 - try again on the next round
+                    print(f"warning: sampler server {self.addresses[index]} could not be restarted: {err}", flush=True)
 
     def close(self) -> None:
+        closing = getattr(self, "_closing", None)
+        if closing is not None:
+            closing.set()
+        if getattr(self, "_monitor", None) is not None:
+            self._monitor.join(timeout=30)
         client = getattr(self, "client", None)
         if client is not None:
             client.close()

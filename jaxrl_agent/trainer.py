@@ -414,6 +414,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             "effective_samples_per_second": len(batch) / iteration_seconds,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
             "replay_rejected": dict(run.buffer.rejected),
+            **({"sampler_server_restarts": run.servers.restarts} if run.servers is not None else {}),
             **judge_metrics,
             **run.environments.stats(),
         })

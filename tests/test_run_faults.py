@@ -114,3 +114,44 @@ def test_a_torn_last_metrics_line_does_not_break_the_summary(tmp_path):
         if record["stage"] == "summary":
             summaries.append(record)
     assert len(summaries) == 2 and "gain_points" in summaries[-1]
+
+
+@pytest.mark.slow
+def test_a_run_on_one_sampler_server_survives_its_death(tmp_path):
+    """sampler.num_servers=1: the server is SIGKILLed after the first RL iteration; the supervisor
+    restarts it on its port with the latest weights, and the run finishes every iteration on-policy."""
+    import signal
+    import threading
+    import time
+
+    config = tiny_config(tmp_path)
+    config.sampler.num_servers, config.sft.steps, config.rl.iterations = 1, 2, 4
+    config.eval.pass_k, config.eval.every, config.metrics.tensorboard = 0, 100, False
+    killed = []
+
+    def kill_after_first_iteration():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            if (tmp_path / "metrics.jsonl").exists() and any(
+                    r["stage"] == "rl" for r in _records(tmp_path)):
+                for pid in filter(str.isdigit, os.listdir("/proc")):
+                    try:
+                        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                    except OSError:
+                        continue
+                    if b"sampler-server" in cmdline and str(tmp_path).encode() in cmdline:
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed.append(int(pid))
+                        return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=kill_after_first_iteration, daemon=True)
+    watcher.start()
+    trainer.train_and_evaluate(config, quiet=True)
+    watcher.join(timeout=5)
+    assert killed
+    rl = [r for r in _records(tmp_path) if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]
+    assert rl[-1]["sampler_server_restarts"] >= 1
+    assert all(r["policy_lag_max"] <= 1 for r in rl[1:])
+    assert rl[-1]["drift/sampler_abs_diff_max"] < 0.05  # the restarted server has the learner's weights

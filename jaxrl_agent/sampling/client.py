@@ -119,8 +119,15 @@ class SamplerClient:
         key, preferred = self._affine(np.asarray(request["prompt_ids"], np.int32))
         tried: set[str] = set()
         errors = []
-        for attempt in range(self.max_attempts):
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while attempt < self.max_attempts or time.monotonic() < deadline:
+            attempt += 1
+            if attempt > self.max_attempts:  # every server failed: wait for one to come back (a restart)
+                await asyncio.sleep(min(self.cooldown_s, 1.0))
             server = self._pick(tried if len(tried) < len(self._servers) else set(), preferred)
+            if server is None:
+                continue
             index = self._servers.index(server)
             self.stats["affinity_hits"] += int(index == preferred)
             if index != preferred:  # a first prompt, or its server was unusable: later turns follow this one
@@ -150,10 +157,20 @@ class SamplerClient:
         return results, failures
 
     async def update_weights(self, params, version: int) -> dict[str, Exception]:
-        """Pushes weights to every server; returns {address: error} for servers that failed."""
+        """Pushes weights to every server; returns {address: error} for servers that failed. The
+        payload is kept for `resync` (a restarted server gets the latest weights)."""
         payload = encode_weights(params, version)
+        self._latest_weights = payload
         _, failures = await self._each(lambda s: s.update_weights(payload, timeout=self.timeout_s))
         return failures
+
+    async def resync(self, index: int) -> None:
+        """Sends the latest weights again to server `index` (after a restart) and clears its cooldown."""
+        server = self._servers[index]
+        payload = getattr(self, "_latest_weights", None)
+        if payload is not None:  # waits for the channel to reconnect (it backs off after refusals)
+            await server.update_weights(payload, timeout=self.timeout_s, wait_for_ready=True)
+        server.down_until = 0.0
 
     async def load_checkpoint(self, path: str, version: int) -> dict[str, Exception]:
         _, failures = await self._each(
@@ -190,8 +207,10 @@ class BackgroundSamplerClient:
     `update_weights(params, version)` (blocking until every server has the new weights), `close()`.
     """
 
-    def __init__(self, addresses: Sequence[str], **kwargs):
+    def __init__(self, addresses: Sequence[str], *, supervised: bool = False, **kwargs):
         import threading
+
+        self.supervised = supervised  # a push no server took is re-sent when a server is restarted
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sampler-client", daemon=True)
@@ -212,8 +231,12 @@ class BackgroundSamplerClient:
 
     def update_weights(self, params, version: int) -> None:
         failures = self._run(self.client.update_weights(params, version))
-        if len(failures) == len(self.client._servers):
+        if len(failures) == len(self.client._servers) and not self.supervised:
             raise SamplerUnavailableError(f"no sampler server took weights version {version}: {failures}")
+
+    def resync(self, index: int) -> None:
+        """The latest weights to server `index` again (after its restart)."""
+        self._run(self.client.resync(index), timeout=self.client.timeout_s)
 
     def sampler_stats(self) -> dict[str, float]:
         return self._run(self.client.sampler_stats(), timeout=self.client.timeout_s)
