@@ -121,7 +121,7 @@ class SamplerServers:
                     f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
         # The servers' shared token: the user's, or a fresh one, handed over in their environment.
         token = auth.load_token(required=False) or auth.new_token()
-        env = {**os.environ, auth.TOKEN_ENV: token}
+        env = {**os.environ, auth.TOKEN_ENV: token, "JAXRL_AGENT_PARENT_PID": str(os.getpid())}
         env.pop(auth.TOKEN_FILE_ENV, None)
         if jax.default_backend() == "cpu":
             # One CPU device per server (not a simulated mesh a test may have asked this process
@@ -140,6 +140,8 @@ class SamplerServers:
         except RuntimeError:
             self.close()
             raise
+        with open(os.path.join(os.path.abspath(workdir), "sampler_servers.json"), "w") as f:
+            json.dump({"addresses": self.addresses, "pids": [p.pid for p in self.processes]}, f)  # for operators
         self.client = BackgroundSamplerClient(self.addresses, token=token, supervised=supervise)
         self._closing = threading.Event()
         self._monitor = None

@@ -41,6 +41,7 @@ def main(argv):
         token = auth.load_token(_TOKEN_FILE.value)
     except auth.AuthError as err:
         raise SystemExit(f"error: {err}") from None
+    _exit_with_parent()
     config = _CONFIG.value
     # The run's persistent compilation cache: servers of one run (and of later runs) share compiled
     # prefill and decode shapes instead of each compiling them while the learner waits.
@@ -56,6 +57,25 @@ def main(argv):
 
     asyncio.run(server.serve(engine, _HOST.value, _PORT.value, token=token, default_sampling=default, ready=ready,
                              pipeline_depth=config.sampler.pipeline_depth, checkpoint_root=_CHECKPOINT_ROOT.value))
+
+
+def _exit_with_parent() -> None:
+    """A server the trainer started (JAXRL_AGENT_PARENT_PID set) exits when the trainer is gone,
+    even after a SIGKILL of the trainer, instead of holding its port and memory as an orphan."""
+    import os
+    import threading
+
+    parent = os.environ.get("JAXRL_AGENT_PARENT_PID")
+    if not parent:
+        return
+
+    def watch():
+        while True:
+            if os.getppid() != int(parent):
+                os._exit(0)
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def run(argv=None) -> None:

@@ -1,0 +1,290 @@
+"""Fault-injection soak: the default config on pool environments and two sampler servers, while a
+chaos thread, at seeded random moments, kills env workers, hangs env steps (one task in 40 hangs),
+kills a sampler server, SIGKILLs the trainer and restarts it with --config.resume=True, sends
+garbage, oversize and unauthenticated requests to both kinds of server, and runs hostile code in the
+sandbox (the escapes of tests/envs/test_sandbox.py, a fork bomb, a 10 GB allocation, a socket, a
+write outside its directory, a kill of its parent).
+
+  python benchmarks/soak.py --minutes 10 [--seed 0] [--workdir /tmp/soak]
+
+At the end it checks that the run completed; that the task stream continued exactly across the
+restarts (per RL iteration, the kept record's stream position advances by the tasks of one
+iteration: nothing lost, nothing trained twice); that no sandbox escape succeeded (no file outside,
+no process left, the trainer alive until the chaos killed it); that metrics are continuous (every
+iteration 1..N has a record); and prints a table of faults injected against faults survived.
+Exit status 0 only if every fault was survived and every check holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ESCAPE_FILE = "/jaxrl_soak_escape"
+HOSTILE = {
+    "fork bomb": "import os\nwhile True:\n    os.fork()\n",
+    "10 GB allocation": "blob = bytearray(10 * 1024**3)\n",
+    "socket": "import socket\nsocket.create_connection(('127.0.0.1', 22))\n",
+    "write outside": f"open({ESCAPE_FILE!r}, 'w').write('x')\n",
+    "dir_fd write": "import os\nfd = os.open('/', os.O_RDONLY)\nos.open('jaxrl_soak_escape', os.O_CREAT | os.O_WRONLY, dir_fd=fd)\n",
+    "kill parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
+    "pidfd on the trainer": "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({trainer}), signal.SIGKILL)\n",
+    "read /etc/passwd": "print(open('/etc/passwd').read())\n",
+}
+
+
+def _pids(*markers: bytes) -> list[int]:
+    """Processes whose command line holds every marker."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if all(m in cmdline for m in markers):
+            found.append(int(pid))
+    return found
+
+
+def _records(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.workdir = args.workdir
+        self.injected: dict[str, int] = {}
+        self.survived: dict[str, int] = {}
+        self.failures: list[str] = []
+        self.trainer = None
+        self.env_server = None
+        self.env_port = None
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        os.environ.setdefault("JAXRL_AGENT_TOKEN", os.urandom(16).hex())  # the servers', and this process's
+        # benchmarks/soak_envs.py as `soak_envs` (an installed package already owns the name `benchmarks`).
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT])}
+
+    # ------------------------------------------------------------------------------ processes
+    def start_env_server(self):
+        self.env_server = subprocess.Popen(
+            [sys.executable, "-m", "jaxrl_agent.cli", "env-server", "--port", "0", "--workers", "2",
+             "--step_timeout_s", "5", "--import", "soak_envs"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env)
+        self.env_port = int(self.env_server.stdout.readline().strip().rsplit(":", 1)[1])
+
+    def start_trainer(self, resume: bool):
+        flags = {"workdir": self.workdir, "env.imports": "soak_envs", "env.name": "calc_soak",
+                 "env.service": f"127.0.0.1:{self.env_port}", "sampler.num_servers": 2,
+                 # The run ends by itself a little after the chaos (the budget spans resumed segments).
+                 "rl.time_budget_minutes": self.args.minutes + 2, "rl.iterations": self.args.iterations,
+                 "checkpoint.every": 5,
+                 "eval.every": 0, "metrics.progress": "off", "resume": resume}
+        flags.update(dict(kv.split("=", 1) for kv in self.args.override))
+        command = [sys.executable, "-m", "jaxrl_agent.cli", "train", "--config",
+                   os.path.join(ROOT, "configs", "calculator_tiny.py"), *[f"--config.{k}={v}" for k, v in flags.items()]]
+        log = open(os.path.join(self.args.logdir, f"trainer_{int(time.time())}.log"), "w")
+        self.trainer = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def _count(self, kind: str, survived: bool | None = None):
+        with self.lock:
+            if survived is None:
+                self.injected[kind] = self.injected.get(kind, 0) + 1
+            elif survived:
+                self.survived[kind] = self.survived.get(kind, 0) + 1
+            else:
+                self.failures.append(kind)
+
+    # ------------------------------------------------------------------------------ faults
+    def kill_env_worker(self):
+        workers = _pids(b"jaxrl_agent.envs.worker")
+        if workers:
+            os.kill(self.rng.choice(workers), signal.SIGKILL)
+            return True
+        return None
+
+    def kill_sampler_server(self):
+        servers = _pids(b"sampler-server", self.workdir.encode())
+        if servers:
+            os.kill(self.rng.choice(servers), signal.SIGKILL)
+            return True
+        return None
+
+    def kill_trainer(self):
+        if self.trainer is None or self.trainer.poll() is not None:
+            return None
+        if not any(r["stage"] == "rl" for r in _records(self.workdir)):
+            return None  # before RL there is nothing to resume into
+        self.trainer.send_signal(signal.SIGKILL)
+        self.trainer.wait()
+        time.sleep(3)  # its sampler servers notice their parent is gone and exit (checked at the end)
+        self.start_trainer(resume=True)
+        return True
+
+    def bad_requests(self):
+        """Garbage, oversize and unauthenticated requests to the env server and a sampler server;
+        both must still serve a proper request afterwards."""
+        from jaxrl_agent.envs import remote
+
+        for payload in (b"\x00\xffgarbage\n", b'{"method": "stats", "token": "wrong"}\n',
+                        b'{"method": "stats", "params": {"x": "' + b"a" * (17 * 2**20) + b'"}}\n'):
+            with socket.create_connection(("127.0.0.1", self.env_port), timeout=30) as sock:
+                sock.sendall(payload)
+                sock.makefile("rb").readline()
+        client = remote.RemoteEnvPool("127.0.0.1", self.env_port, timeout_s=60)
+        client.stats  # noqa: B018 - a proper request is served
+        client.close()
+        path = os.path.join(self.workdir, "sampler_servers.json")
+        if os.path.exists(path):
+            import asyncio
+
+            import grpc
+
+            from jaxrl_agent.sampling.client import SamplerClient
+
+            address = json.load(open(path))["addresses"][0]
+
+            async def intrude():
+                intruder = SamplerClient([address], token="wrong", timeout_s=30)
+                refused = await intruder.update_weights({"junk": [1.0]}, 10**9)
+                await intruder.close()
+                async with grpc.aio.insecure_channel(address) as channel:
+                    try:
+                        await channel.unary_unary("/jaxrl_agent.Sampler/UpdateWeights")(b"\x00" * 64, timeout=30)
+                    except grpc.aio.AioRpcError as err:
+                        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+                return refused
+
+            refused = asyncio.run(intrude())
+            assert refused and all(e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
+                                   for e in refused.values()), refused
+        return True
+
+    def hostile_code(self):
+        from jaxrl_agent.envs import sandbox
+
+        name = self.rng.choice(sorted(HOSTILE))
+        code = HOSTILE[name].format(trainer=self.trainer.pid if self.trainer else os.getpid())
+        result = sandbox.run_python(code, limits=sandbox.SandboxLimits(wall_seconds=5))
+        escaped = result.status == "ok" or "root:" in result.stdout or os.path.exists(ESCAPE_FILE)
+        alive = self.trainer is None or self.trainer.poll() is None
+        if escaped or not alive:
+            raise RuntimeError(f"sandbox escape by {name!r}: status {result.status}, trainer alive {alive}")
+        return True
+
+    # ------------------------------------------------------------------------------ the run
+    def chaos(self):
+        faults = [("kill env worker", self.kill_env_worker), ("kill sampler server", self.kill_sampler_server),
+                  ("SIGKILL trainer + resume", self.kill_trainer), ("bad requests", self.bad_requests),
+                  ("hostile code", self.hostile_code)]
+        while not self.done.wait(self.rng.uniform(*self.args.interval)):
+            kind, fault = self.rng.choice(faults)
+            if kind == "SIGKILL trainer + resume" and self.injected.get(kind, 0) >= self.args.max_trainer_kills:
+                continue
+            try:
+                if fault() is None:
+                    continue  # nothing to inject it into right now
+                self._count(kind)
+                self._count(kind, survived=True)
+            except Exception as err:  # noqa: BLE001 - a fault the system did not survive
+                self._count(kind)
+                self._count(f"{kind}: {type(err).__name__}: {err}"[:200], survived=False)
+
+    def run(self) -> int:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        os.makedirs(self.args.logdir, exist_ok=True)
+        started = time.monotonic()
+        self.start_env_server()
+        self.start_trainer(resume=False)
+        chaos = threading.Thread(target=self.chaos, daemon=True)
+        chaos.start()
+        deadline = started + 60 * self.args.minutes
+        finished = False
+        while time.monotonic() < deadline + 600:
+            code = self.trainer.poll()
+            if code is not None:
+                if code == 0:
+                    finished = True
+                    break
+                if code != -signal.SIGKILL:
+                    self.failures.append(f"trainer exited with {code}")
+                    break
+            if time.monotonic() > deadline and not self.done.is_set():
+                self.done.set()  # no more faults; let the run finish
+            time.sleep(1.0)
+        self.done.set()
+        chaos.join(timeout=60)
+        if self.trainer.poll() is None:
+            self.failures.append("the run did not finish within 10 minutes of the chaos ending")
+            self.trainer.kill()
+            self.trainer.wait()
+        time.sleep(3)  # the trainer's sampler servers exit when it is gone
+        self.env_server.kill()
+        return self.report(finished, time.monotonic() - started)
+
+    def report(self, finished: bool, seconds: float) -> int:
+        records = _records(self.workdir)
+        kept = {}
+        for r in records:
+            if r["stage"] == "rl":
+                kept[r["step"]] = r  # a re-run iteration (after a resume) replaces the killed segment's
+        steps = sorted(kept)
+        checks = {
+            "run completed (summary record)": finished and any(r["stage"] == "summary" for r in records),
+            "metrics continuous (iterations 1..N)": steps == list(range(1, len(steps) + 1)) and len(steps) > 0,
+            "task stream exact across restarts": len(steps) > 1 and len({kept[s]["task_position"] - kept[s - 1]
+                                                                         ["task_position"] for s in steps[1:]}) == 1,
+            "no file outside the sandbox": not os.path.exists(ESCAPE_FILE),
+            "no sandbox process left": not _pids(b"/sandbox/main.py"),
+            "no sampler server left": not _pids(b"sampler-server", self.workdir.encode()),
+        }
+        print(f"\nsoak: {seconds / 60:.1f} min, {len(steps)} RL iterations, seed {self.args.seed}\n")
+        print(f"| fault | injected | survived |\n|---|---|---|")
+        for kind in sorted(self.injected):
+            print(f"| {kind} | {self.injected[kind]} | {self.survived.get(kind, 0)} |")
+        print("\n| check | holds |\n|---|---|")
+        for name, ok in checks.items():
+            print(f"| {name} | {'yes' if ok else 'NO'} |")
+        for failure in self.failures:
+            print(f"FAILED: {failure}")
+        return 0 if all(checks.values()) and not self.failures else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="How long the chaos lasts.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iterations", type=int, default=100000, help="rl.iterations (the run ends after the chaos).")
+    parser.add_argument("--interval", type=float, nargs=2, default=(10.0, 30.0), help="Seconds between faults.")
+    parser.add_argument("--max_trainer_kills", type=int, default=3)
+    parser.add_argument("--workdir", default="/tmp/jaxrl_soak")
+    parser.add_argument("--logdir", default="/tmp/jaxrl_soak_logs")
+    parser.add_argument("--override", action="append", default=[], help="key=value config override (repeatable).")
+    return Soak(parser.parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
