@@ -54,6 +54,17 @@ def set_rng_state(rng, state: list) -> None:
     rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, cached))
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; `record` is what the run logs about it."""
+
+    def __init__(self, step: int, kept: int | None, cause: BaseException):
+        error = f"{type(cause).__name__}: {cause}"
+        super().__init__(f"checkpoint step {step} could not be written ({error}); stopping. The previous checkpoint "
+                         f"({'step ' + str(kept) if kept is not None else 'none'}) is kept: free space and rerun with "
+                         "--config.resume=True")
+        self.record = {"checkpoint_step": step, "error": error, "kept_step": -1 if kept is None else kept}
+
+
 class Checkpointer:
     """Orbax `CheckpointManager` over workdir/checkpoints: the learner state (params, optimizer
     state, step) and the RunState as JSON, saved together under one step number."""
@@ -66,10 +77,16 @@ class Checkpointer:
             os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
     def save(self, step: int, state: dict[str, Any], run_state: RunState) -> None:
+        """Writes one checkpoint; raises CheckpointWriteError (naming the step kept) when it cannot
+        be written — orbax writes to a temporary folder and renames it at the end, so the previous
+        checkpoint stays whole."""
         ocp = self._ocp
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(run_state.to_dict())), force=True)
-        self.manager.wait_until_finished()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(run_state.to_dict())), force=True)
+            self.manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - OSError (ENOSPC, EIO) or orbax's wrapping of it
+            raise CheckpointWriteError(step, self.manager.latest_step(), err) from err
 
     def latest(self) -> RunState | None:
         """The run state of the newest checkpoint that restores whole (its run state and every array

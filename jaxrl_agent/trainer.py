@@ -116,28 +116,12 @@ class Run:
             max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns)
 
     def evaluate(self) -> dict[str, float]:
-        console = self.writer.console
         total = sum(len(levels) for levels, _ in self.eval_spec.levels.values())
-        transient = not console.live  # before training: a bar of its own; else the stage's bar says it
-        if transient:
-            console.bar("eval", total, unit="level", leave=False)
-
-        def progress(done: int) -> None:
-            if transient:
-                console.advance(1)
-            else:
-                console.detail(f"eval {done}/{total}")
-
-        try:
+        with self.writer.console.sub_progress("eval", total, unit="level") as progress:
             results = evaluation.evaluate(
                 self.sampler, self.environments.make_env, self.environments.environments, self.tokenizer,
                 self.template, self.eval_spec, greedy=self.episode_settings(0.0),
                 sampled=self.episode_settings(self.config.rollout.temperature), progress=progress)
-        finally:
-            if transient:
-                console.close()
-            else:
-                console.detail(None)
         self.last_eval_seconds = results["eval/seconds"]
         return results
 
@@ -147,28 +131,19 @@ class Run:
         self.sampler.update_weights(params, self.version)
 
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
-        """Writes a checkpoint; one that cannot be written (a full disk) stops the run cleanly, with
-        the previous checkpoint kept (orbax writes to a temporary folder and renames it at the end)."""
+        """Writes a checkpoint; one that cannot be written stops the run cleanly (the previous one is kept)."""
         step = self.config.sft.steps + iteration
         try:
-            self._save(step, stage, iteration, state, source)
-        except Exception as err:  # noqa: BLE001 - OSError (ENOSPC, EIO) or orbax's wrapping of it
-            kept = self.checkpointer.manager.latest_step()
-            message = (f"checkpoint step {step} could not be written ({type(err).__name__}: {err}); stopping. The "
-                       f"previous checkpoint ({'step ' + str(kept) if kept is not None else 'none'}) is kept: "
-                       "free space and rerun with --config.resume=True")
-            self.log("checkpoint_failed", iteration, {"checkpoint_step": step, "error": f"{type(err).__name__}: {err}",
-                                                      "kept_step": -1 if kept is None else kept},
-                     global_step=step, console=f"error: {message}")
-            raise RunStopped(message) from err
-
-    def _save(self, step, stage, iteration, state, source):
-        arrays = checkpoint.learner_arrays(state, self.judge_params)
-        self.checkpointer.save(step, arrays, checkpoint.RunState(
-            stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
-            trained_tokens_total=self.trained_tokens_total,
-            source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
-            rng=checkpoint.rng_state(self.rng)))
+            self.checkpointer.save(step, checkpoint.learner_arrays(state, self.judge_params), checkpoint.RunState(
+                stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
+                trained_tokens_total=self.trained_tokens_total,
+                source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
+                rng=checkpoint.rng_state(self.rng)))
+        except (checkpoint.CheckpointWriteError, OSError) as err:
+            if not isinstance(err, checkpoint.CheckpointWriteError):  # raised before orbax was reached
+                err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
+            self.log("checkpoint_failed", iteration, err.record, global_step=step, console=f"error: {err}")
+            raise RunStopped(str(err)) from err
 
     def sampler_stats(self) -> dict[str, float]:
         try:
@@ -386,8 +361,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         state, step_fn, batch, rng=run.rng, minibatches=config.rl.minibatches, row_length=config.learner.row_length,
         row_multiple=learner.row_multiple_for(run.mesh, config.learner.row_multiple, config.rl.row_multiple),
         target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal)
-    for skipped in learner_metrics.pop("update_skipped_flags", []):
-        run.consecutive_skips = run.consecutive_skips + 1 if skipped else 0
+    run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
+                                                      learner_metrics.pop("update_skipped_flags", []))
     if batch:
         run.push_weights(state.params)
     learn_seconds = time.perf_counter() - learn_started
@@ -433,11 +408,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     run.writer.console.advance(1, {"success": record["success"], "reward": record["reward"],
                                    "tok/s": round(record["trained_tokens_per_second"]),
                                    "budget_eta": f"{eta / 60:.1f}min"})
-    limit = config.learner.max_consecutive_skips
-    if limit > 0 and run.consecutive_skips >= limit:
-        message = (f"the last {run.consecutive_skips} learner updates were skipped (non-finite loss or gradients; "
-                   f"learner.max_consecutive_skips={limit}): stopping at RL iteration {iteration}. The parameters are "
-                   "the last finite ones; lower the learning rate or check the objective and rewards")
+    message = learner.skip_stop_message(run.consecutive_skips, config.learner.max_consecutive_skips, iteration)
+    if message is not None:
         run.log("rl_end", iteration, {"reason": "non_finite_updates", "iterations": iteration,
                                       "elapsed_seconds": run.elapsed_seconds()}, console=f"error: {message}")
         raise RunStopped(message)

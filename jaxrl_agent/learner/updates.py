@@ -66,3 +66,20 @@ def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int) -> int:
     """Learner rows are split over ('data', 'fsdp'): row counts must divide by that and by every
     configured multiple."""
     return math.lcm(mesh.shape["data"] * mesh.shape["fsdp"], *multiples)
+
+
+def consecutive_skips(previous: int, skipped_flags) -> int:
+    """The run of skipped (non-finite) updates after `previous` and this call's flags, in order."""
+    for skipped in skipped_flags:
+        previous = previous + 1 if skipped else 0
+    return previous
+
+
+def skip_stop_message(consecutive: int, limit: int, iteration: int) -> str | None:
+    """Why the run must stop after `consecutive` skipped updates (`learner.max_consecutive_skips`,
+    0 = never), or None."""
+    if limit <= 0 or consecutive < limit:
+        return None
+    return (f"the last {consecutive} learner updates were skipped (non-finite loss or gradients; "
+            f"learner.max_consecutive_skips={limit}): stopping at RL iteration {iteration}. The parameters are "
+            "the last finite ones; lower the learning rate or check the objective and rewards")

@@ -7,8 +7,9 @@ a notebook cell), so logs stay one line per record.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Mapping, TextIO
+from typing import Any, Callable, Iterator, Mapping, TextIO
 
 
 class Console:
@@ -60,6 +61,28 @@ class Console:
         None restores the label."""
         if self._bar is not None:
             self._bar.set_description_str(self._description + (f" ({text})" if text else ""))
+
+    @contextlib.contextmanager
+    def sub_progress(self, name: str, total: int, *, unit: str = "it") -> Iterator[Callable[[int], None]]:
+        """`progress(done)` for a sub-task (an evaluation): its own transient bar when no bar is
+        open, else `name done/total` beside the open stage's label (restored at the end)."""
+        transient = not self.live
+        if transient:
+            self.bar(name, total, unit=unit, leave=False)
+
+        def progress(done: int) -> None:
+            if transient:
+                self.advance(1)
+            else:
+                self.detail(f"{name} {done}/{total}")
+
+        try:
+            yield progress
+        finally:
+            if transient:
+                self.close()
+            else:
+                self.detail(None)
 
     def line(self, text: str) -> None:
         if not self.enabled:
