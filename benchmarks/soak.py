@@ -1,9 +1,9 @@
 """Fault-injection soak: the default config on pool environments and two sampler servers, while a
-chaos thread, at seeded random moments, kills env workers, hangs env steps (one task in 40 hangs),
-kills a sampler server, SIGKILLs the trainer and restarts it with --config.resume=True, sends
-garbage, oversize and unauthenticated requests to both kinds of server, and runs hostile code in the
+chaos thread, at seeded random moments, kills env workers, kills a sampler server, SIGKILLs the
+trainer and restarts it with --config.resume=True, sends garbage, oversize and unauthenticated requests to both kinds of server, and runs hostile code in the
 sandbox (the escapes of tests/envs/test_sandbox.py, a fork bomb, a 10 GB allocation, a socket, a
-write outside its directory, a kill of its parent).
+write outside its directory, a kill of its parent); and env steps hang (soak_envs: the first step
+of one RL task in --hang_every).
 
   python benchmarks/soak.py --minutes 10 [--seed 0] [--workdir /tmp/soak]
 
@@ -79,6 +79,7 @@ class Soak:
         self.injected: dict[str, int] = {}
         self.survived: dict[str, int] = {}
         self.failures: list[str] = []
+        self.env_stats: dict = {}
         self.trainer = None
         self.env_server = None
         self.env_port = None
@@ -86,7 +87,8 @@ class Soak:
         self.lock = threading.Lock()
         os.environ.setdefault("JAXRL_AGENT_TOKEN", os.urandom(16).hex())  # the servers', and this process's
         # benchmarks/soak_envs.py as `soak_envs` (an installed package already owns the name `benchmarks`).
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT])}
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "benchmarks"), ROOT]),
+                    "JAXRL_SOAK_HANG_EVERY": str(args.hang_every)}
 
     # ------------------------------------------------------------------------------ processes
     def start_env_server(self):
@@ -99,9 +101,10 @@ class Soak:
     def start_trainer(self, resume: bool):
         flags = {"workdir": self.workdir, "env.imports": "soak_envs", "env.name": "calc_soak",
                  "env.service": f"127.0.0.1:{self.env_port}", "sampler.num_servers": 2,
-                 # The run ends by itself a little after the chaos (the budget spans resumed segments).
-                 "rl.time_budget_minutes": self.args.minutes + 2, "rl.iterations": self.args.iterations,
-                 "checkpoint.every": 5,
+                 # The run ends by itself after the chaos: its budget counts SFT (and the time of
+                 # killed segments since their last checkpoint is not counted).
+                 "rl.time_budget_minutes": self.args.minutes + self.args.sft_minutes,
+                 "rl.iterations": self.args.iterations, "checkpoint.every": 5,
                  "eval.every": 0, "metrics.progress": "off", "resume": resume}
         flags.update(dict(kv.split("=", 1) for kv in self.args.override))
         command = [sys.executable, "-m", "jaxrl_agent.cli", "train", "--config",
@@ -184,32 +187,47 @@ class Soak:
         return True
 
     def hostile_code(self):
+        """Every program of HOSTILE, each counted as its own fault."""
         from jaxrl_agent.envs import sandbox
 
-        name = self.rng.choice(sorted(HOSTILE))
-        code = HOSTILE[name].format(trainer=self.trainer.pid if self.trainer else os.getpid())
-        result = sandbox.run_python(code, limits=sandbox.SandboxLimits(wall_seconds=5))
-        escaped = result.status == "ok" or "root:" in result.stdout or os.path.exists(ESCAPE_FILE)
-        alive = self.trainer is None or self.trainer.poll() is None
-        if escaped or not alive:
-            raise RuntimeError(f"sandbox escape by {name!r}: status {result.status}, trainer alive {alive}")
-        return True
+        for name in self.rng.sample(sorted(HOSTILE), len(HOSTILE)):
+            kind = f"hostile code: {name}"
+            self._count(kind)
+            code = HOSTILE[name].format(trainer=self.trainer.pid if self.trainer else os.getpid())
+            result = sandbox.run_python(code, limits=sandbox.SandboxLimits(wall_seconds=5))
+            escaped = result.status == "ok" or "root:" in result.stdout or os.path.exists(ESCAPE_FILE)
+            alive = self.trainer is None or self.trainer.poll() is None
+            if escaped or not alive:
+                self._count(f"{kind}: escaped (status {result.status}, trainer alive {alive})", survived=False)
+            else:
+                self._count(kind, survived=True)
+        return "counted"
 
     # ------------------------------------------------------------------------------ the run
     def chaos(self):
         faults = [("kill env worker", self.kill_env_worker), ("kill sampler server", self.kill_sampler_server),
                   ("SIGKILL trainer + resume", self.kill_trainer), ("bad requests", self.bad_requests),
                   ("hostile code", self.hostile_code)]
+        # Every kind in each round, in a seeded random order: a short soak still injects them all.
+        due: list = []
         while not self.done.wait(self.rng.uniform(*self.args.interval)):
-            kind, fault = self.rng.choice(faults)
+            if not due:
+                due = self.rng.sample(faults, len(faults))
+            kind, fault = due[0]
             if kind == "SIGKILL trainer + resume" and self.injected.get(kind, 0) >= self.args.max_trainer_kills:
+                due.pop(0)
                 continue
             try:
-                if fault() is None:
-                    continue  # nothing to inject it into right now
-                self._count(kind)
-                self._count(kind, survived=True)
+                outcome = fault()
+                if outcome is None:
+                    due.append(due.pop(0))  # nothing to inject it into yet: later in this round
+                    continue
+                due.pop(0)
+                if outcome != "counted":
+                    self._count(kind)
+                    self._count(kind, survived=True)
             except Exception as err:  # noqa: BLE001 - a fault the system did not survive
+                due.pop(0)
                 self._count(kind)
                 self._count(f"{kind}: {type(err).__name__}: {err}"[:200], survived=False)
 
@@ -242,8 +260,21 @@ class Soak:
             self.trainer.kill()
             self.trainer.wait()
         time.sleep(3)  # the trainer's sampler servers exit when it is gone
+        self.env_stats = self.env_server_stats()
         self.env_server.kill()
         return self.report(finished, time.monotonic() - started)
+
+    def env_server_stats(self) -> dict:
+        from jaxrl_agent.envs import remote
+
+        try:
+            client = remote.RemoteEnvPool("127.0.0.1", self.env_port, timeout_s=60)
+            stats = dict(client.stats)
+            client.close()
+            return stats
+        except Exception as err:  # noqa: BLE001 - reported as a failure
+            self.failures.append(f"env server stats: {type(err).__name__}: {err}")
+            return {}
 
     def report(self, finished: bool, seconds: float) -> int:
         records = _records(self.workdir)
@@ -261,10 +292,25 @@ class Soak:
             "no sandbox process left": not _pids(b"/sandbox/main.py"),
             "no sampler server left": not _pids(b"sampler-server", self.workdir.encode()),
         }
-        print(f"\nsoak: {seconds / 60:.1f} min, {len(steps)} RL iterations, seed {self.args.seed}\n")
-        print(f"| fault | injected | survived |\n|---|---|---|")
+        # Hanging steps are injected by the environment itself (soak_envs): the env server's pool
+        # counts each as a timeout and replaces the worker; the run survived them if it completed.
+        hangs = int(self.env_stats.get("env_timeout", 0))
+        if hangs:
+            self.injected["hang env step"] = hangs
+            self.survived["hang env step"] = hangs if finished else 0
+        kinds = {kind.split(":")[0] for kind in self.injected}
+        checks["every kind of fault injected"] = kinds >= {
+            "kill env worker", "kill sampler server", "SIGKILL trainer + resume", "bad requests", "hostile code",
+            "hang env step"}
+        checks["env worker kills seen by the pool"] = (
+            self.env_stats.get("env_crash", 0) + self.env_stats.get("worker_restarts", 0)
+            >= self.injected.get("kill env worker", 0))
+        print(f"\nsoak: {seconds / 60:.1f} min ({self.args.minutes:g} of chaos), {len(steps)} RL iterations, "
+              f"seed {self.args.seed}\n")
+        print("| fault | injected | survived |\n|---|---|---|")
         for kind in sorted(self.injected):
             print(f"| {kind} | {self.injected[kind]} | {self.survived.get(kind, 0)} |")
+        print(f"\nenv server: {json.dumps(self.env_stats, sort_keys=True)}")
         print("\n| check | holds |\n|---|---|")
         for name, ok in checks.items():
             print(f"| {name} | {'yes' if ok else 'NO'} |")
@@ -277,8 +323,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="How long the chaos lasts.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft_minutes", type=float, default=4.0,
+                        help="Added to --minutes for rl.time_budget_minutes (which counts SFT and evaluations).")
     parser.add_argument("--iterations", type=int, default=100000, help="rl.iterations (the run ends after the chaos).")
     parser.add_argument("--interval", type=float, nargs=2, default=(10.0, 30.0), help="Seconds between faults.")
+    parser.add_argument("--hang_every", type=int, default=400, help="One RL task in this many hangs (soak_envs).")
     parser.add_argument("--max_trainer_kills", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/jaxrl_soak")
     parser.add_argument("--logdir", default="/tmp/jaxrl_soak_logs")

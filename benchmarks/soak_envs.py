@@ -1,13 +1,15 @@
-"""Environments for the fault-injection soak (`benchmarks/soak.py`): the calculator, with one step in
-`HANG_EVERY` hanging past any step timeout. Registered on import (`--config.env.imports=soak_envs`,
-with benchmarks/ on PYTHONPATH)."""
+"""Environments for the fault-injection soak (`benchmarks/soak.py`): the calculator, where the first
+step of one RL task in `HANG_EVERY` (every episode of its group) hangs past any step timeout.
+Registered on import (`--config.env.imports=soak_envs`, with benchmarks/ on PYTHONPATH);
+$JAXRL_SOAK_HANG_EVERY overrides HANG_EVERY."""
 
+import os
 import time
 
 from jaxrl_agent.envs import api
 from jaxrl_agent.envs.calculator import CalculatorEnv, expert
 
-HANG_EVERY = 40
+HANG_EVERY = int(os.environ.get("JAXRL_SOAK_HANG_EVERY", 400))  # ~1 task in 6 RL iterations of 64
 HANG_SECONDS = 60.0
 
 

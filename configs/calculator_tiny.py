@@ -96,6 +96,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.env.service = "pool"
     # A step that takes longer ends its episode as finish_reason 'env_timeout' (the run goes on).
     config.env.step_timeout_s = 30.0
+    # service='host:port,...': the PEM CA file that signed the env servers' TLS certificates
+    # (servers started with --tls_cert_file/--tls_key_file); '' = plain TCP (loopback or a private network).
+    config.env.tls_ca_file = ""
     config.env.pool_workers = 2  # service='pool': worker processes.
     config.env.worker_memory_mb = 4096  # service='pool': address-space limit per worker.
     config.env.train_difficulties = "1,2,3"  # Levels RL samples tasks from (comma-separated).

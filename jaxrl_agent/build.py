@@ -389,7 +389,13 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     for name in mixture:
         need(name in envs.registered(), f"env.{'mixture' if config.env.mixture else 'name'}: environment "
              f"{name!r} is not registered (registered: {envs.registered()}; add its module to env.imports)")
-    env_service_addresses(config)
+    remote_envs = env_service_addresses(config)
+    if config.env.tls_ca_file:
+        need(bool(remote_envs), f"env.tls_ca_file={config.env.tls_ca_file!r} is for remote env servers: expected "
+             f"env.service='host:port,...' (got {config.env.service!r})")
+        need(os.path.isfile(os.path.expanduser(config.env.tls_ca_file)),
+             f"env.tls_ca_file={config.env.tls_ca_file!r}: no such file (expected the PEM CA certificate that "
+             "signed the env servers' certificates)")
     weights = reward_weights(config)
     # Components a weight may name: the library's, and each environment's (tool environments
     # declare theirs); a reward.fn may add any names, and other environments are not known here.
@@ -603,7 +609,8 @@ class Environments:
         else:
             from jaxrl_agent.envs.remote import RemoteEnvServices
 
-            self.service = RemoteEnvServices(env_service_addresses(config), timeout_s=max(120.0, self.step_timeout_s))
+            self.service = RemoteEnvServices(env_service_addresses(config), timeout_s=max(120.0, self.step_timeout_s),
+                                             tls_ca_file=os.path.expanduser(config.env.tls_ca_file) or None)
 
     def make_env(self, task):
         from jaxrl_agent import envs, rollout

@@ -4,8 +4,10 @@
 
 Trainers connect with `--config.env.service=host:port` (`jaxrl_agent.envs.remote`). Prints
 `env server listening on HOST:PORT` once ready (`--port 0` picks a free port). Every request must carry the shared token ($JAXRL_AGENT_TOKEN, or --token_file): the server
-refuses to start without one. It has no TLS yet: bind it to 127.0.0.1 (the default) or an address
-on a private network.
+refuses to start without one. Bound to another host's interface, give it a certificate
+(`--tls_cert_file`, `--tls_key_file`): requests, the token among them, then travel encrypted, and
+trainers verify the server with `--config.env.tls_ca_file`. Without TLS, bind to 127.0.0.1 (the
+default) or an address on a private network.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ def run(argv=None) -> int:
                         help="File holding the shared token (default: $JAXRL_AGENT_TOKEN or $JAXRL_AGENT_TOKEN_FILE).")
     parser.add_argument("--max_connections", type=int, default=1024, help="Connections served at once.")
     parser.add_argument("--idle_timeout_s", type=float, default=600.0, help="A connection idle this long is closed.")
+    parser.add_argument("--request_threads", type=int, default=256,
+                        help="Requests served at once (each waits on its episode's worker; more queue).")
     parser.add_argument("--request_timeout_s", type=float, default=300.0, help="Per-request deadline.")
+    parser.add_argument("--tls_cert_file", default="", help="PEM certificate (chain): serve TLS only.")
+    parser.add_argument("--tls_key_file", default="", help="The certificate's PEM private key.")
     parser.add_argument("--sandbox_isolation", default="bwrap", choices=("bwrap", "none"),
                         help="How the code sandbox isolates policy code (see jaxrl_agent/envs/sandbox.py).")
     args = parser.parse_args(argv[1:] if argv else None)
@@ -46,6 +52,8 @@ def run(argv=None) -> int:
 
     try:
         token = auth.load_token(args.token_file)
+        ssl_context = (auth.server_ssl_context(args.tls_cert_file, args.tls_key_file)
+                       if auth.check_tls_pair(args.tls_cert_file, args.tls_key_file) else None)
     except auth.AuthError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -66,7 +74,8 @@ def run(argv=None) -> int:
     try:
         asyncio.run(remote.serve(env_pool, args.host, args.port, ready, token=token,
                                  max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
-                                 request_timeout_s=args.request_timeout_s))
+                                 request_timeout_s=args.request_timeout_s, ssl_context=ssl_context,
+                                 request_threads=args.request_threads))
     except KeyboardInterrupt:
         pass
     finally:

@@ -6,7 +6,9 @@ Serves JetStream's `Orchestrator/Decode` (token ids) and `jaxrl_agent.Sampler` (
 versions, finish reasons, weight updates) on one port. Prints
 `sampler server listening on HOST:PORT` when ready (`--port 0` picks a free port). Every call must
 carry the shared token ($JAXRL_AGENT_TOKEN or --token_file; the server refuses to start without
-one); `LoadCheckpoint` reads only below --checkpoint_root.
+one); `LoadCheckpoint` reads only below --checkpoint_root. Serving other hosts, give it a
+certificate (--tls_cert_file, --tls_key_file): it then serves TLS only, and clients verify it with
+`SamplerClient(..., tls_ca_file=...)`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _TOKEN_FILE = flags.DEFINE_string("token_file", None, "File holding the shared t
                                   "or $JAXRL_AGENT_TOKEN_FILE).")
 _CHECKPOINT_ROOT = flags.DEFINE_string("checkpoint_root", None, "LoadCheckpoint reads only below this folder "
                                        "(unset: LoadCheckpoint is disabled).")
+_TLS_CERT = flags.DEFINE_string("tls_cert_file", "", "PEM certificate (chain): serve TLS only.")
+_TLS_KEY = flags.DEFINE_string("tls_key_file", "", "The certificate's PEM private key.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -39,6 +43,8 @@ def main(argv):
 
     try:
         token = auth.load_token(_TOKEN_FILE.value)
+        credentials = (auth.grpc_server_credentials(_TLS_CERT.value, _TLS_KEY.value)
+                       if auth.check_tls_pair(_TLS_CERT.value, _TLS_KEY.value) else None)
     except auth.AuthError as err:
         raise SystemExit(f"error: {err}") from None
     _exit_with_parent()
@@ -56,26 +62,18 @@ def main(argv):
         print(f"sampler server listening on {_HOST.value}:{port}", flush=True)
 
     asyncio.run(server.serve(engine, _HOST.value, _PORT.value, token=token, default_sampling=default, ready=ready,
-                             pipeline_depth=config.sampler.pipeline_depth, checkpoint_root=_CHECKPOINT_ROOT.value))
+                             pipeline_depth=config.sampler.pipeline_depth, checkpoint_root=_CHECKPOINT_ROOT.value,
+                             credentials=credentials))
 
 
 def _exit_with_parent() -> None:
     """A server the trainer started (JAXRL_AGENT_PARENT_PID set) exits when the trainer is gone,
     even after a SIGKILL of the trainer, instead of holding its port and memory as an orphan."""
     import os
-    import threading
 
-    parent = os.environ.get("JAXRL_AGENT_PARENT_PID")
-    if not parent:
-        return
+    from jaxrl_agent import parent_watch
 
-    def watch():
-        while True:
-            if os.getppid() != int(parent):
-                os._exit(0)
-            threading.Event().wait(1.0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    parent_watch.exit_with_parent(int(os.environ.get("JAXRL_AGENT_PARENT_PID") or 0))
 
 
 def run(argv=None) -> None:

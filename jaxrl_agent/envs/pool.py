@@ -72,14 +72,13 @@ class _Worker:
     `__main__` — is inherited or re-imported."""
 
     def __init__(self, memory_mb, imports):
-        args = [sys.executable, "-m", "jaxrl_agent.envs.worker"]
+        args = [sys.executable, "-m", "jaxrl_agent.envs.worker", "--parent_pid", str(os.getpid())]
         if memory_mb:
             args += ["--memory_mb", str(memory_mb)]
         for module in imports:
             args += ["--import", module]
         self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                         env=_worker_env())
-        self.lock = threading.Lock()
 
     @property
     def pid(self) -> int:
@@ -145,6 +144,9 @@ class EnvPool:
         self._memory_mb = worker_memory_mb
         self._imports = tuple(imports)
         self._workers = [_Worker(worker_memory_mb, self._imports) for _ in range(num_workers)]
+        # One lock per worker slot, not per process: a replacement process keeps its slot's lock, so a
+        # thread that waited on the slot while the process was replaced never shares the new one.
+        self._slot_locks = [threading.Lock() for _ in range(num_workers)]
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -208,7 +210,7 @@ class EnvPool:
             episode_id = f"ep{next(self._ids)}"
             ep = _Episode(env, dict(env_kwargs or {}), task, seed, imports, index)
             self._episodes[episode_id] = ep
-        with self._workers[index].lock:
+        with self._slot_locks[index]:
             if not self._workers[index].alive():
                 self._replace(index, "env_crash")
             worker = self._workers[index]
@@ -234,7 +236,7 @@ class EnvPool:
         if ep is None:
             raise EnvServiceError(f"unknown or finished episode {episode_id!r}")
         index = ep.worker
-        with self._workers[index].lock:
+        with self._slot_locks[index]:
             if not self._workers[index].alive():
                 # Died while idle (nothing in flight): replace it; this episode is simply replayed.
                 self._replace(index, "env_crash")
@@ -268,8 +270,7 @@ class EnvPool:
             ep = self._episodes.pop(episode_id, None)
         if ep is None:
             return
-        worker = self._workers[ep.worker]
-        with worker.lock:
+        with self._slot_locks[ep.worker]:
             try:
                 self._workers[ep.worker].call({"op": "close", "episode": episode_id}, self.step_timeout_s)
             except _WorkerDied as died:
@@ -277,10 +278,11 @@ class EnvPool:
 
     def ensure_workers(self) -> None:
         """Replaces workers that died while idle (e.g. killed from outside)."""
-        for index, worker in enumerate(self._workers):
-            if not worker.alive():
-                with worker.lock:
-                    self._replace(index, "env_crash")
+        for index in range(len(self._workers)):
+            if not self._workers[index].alive():
+                with self._slot_locks[index]:
+                    if not self._workers[index].alive():  # not already replaced by a thread that held the slot
+                        self._replace(index, "env_crash")
 
     def close(self) -> None:
         if self._closed:

@@ -11,9 +11,12 @@ Rules the server enforces:
   * episode ids are random 128-bit strings scoped to the connection that opened the episode: another
     connection cannot step or close it, and a connection's episodes are closed when it closes;
   * at most `max_connections` connections; one idle for `idle_timeout_s` is closed; a request
-    running longer than `request_timeout_s` gets an error reply;
+    running longer than `request_timeout_s` gets an error reply; requests run on the server's own
+    `request_threads` threads, so hanging steps hold only their own;
   * a line over `max_line_bytes` or one that is not a JSON request gets an error reply; the server
-    goes on serving.
+    goes on serving;
+  * given an `ssl_context` (`jaxrl-agent env-server --tls_cert_file/--tls_key_file`), TLS only;
+    trainers then connect with `env.tls_ca_file`.
 """
 
 from __future__ import annotations
@@ -79,8 +82,13 @@ def _dispatch(pool: EnvPool, connection: _Connection, method: str, params: Mappi
 
 class _Server:
     def __init__(self, pool: EnvPool, token: str, *, max_connections: int, idle_timeout_s: float,
-                 request_timeout_s: float):
+                 request_timeout_s: float, request_threads: int):
+        import concurrent.futures
+
         self.pool, self.token = pool, token
+        # Requests run here, not in asyncio's default executor (min(32, cores + 4) threads): a few
+        # hanging steps must not hold every thread while other clients' requests wait.
+        self.executor = concurrent.futures.ThreadPoolExecutor(request_threads, thread_name_prefix="env-request")
         self.max_connections, self.idle_timeout_s, self.request_timeout_s = (
             max_connections, idle_timeout_s, request_timeout_s)
         self.connections = 0
@@ -131,8 +139,8 @@ class _Server:
                                                                  "match the server's")
                     break
                 try:
-                    result = await asyncio.wait_for(asyncio.to_thread(
-                        _dispatch, self.pool, connection, request["method"], request.get("params", {})),
+                    result = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                        self.executor, _dispatch, self.pool, connection, request["method"], request.get("params", {})),
                         self.request_timeout_s)
                 except asyncio.TimeoutError:
                     self.stats["deadline_exceeded"] += 1
@@ -155,18 +163,27 @@ class _Server:
 
 
 async def serve(pool: EnvPool, host: str = "127.0.0.1", port: int = 0, ready=None, *, token: str,
-                max_connections: int = 1024, idle_timeout_s: float = 600.0, request_timeout_s: float = 300.0) -> None:
-    """Serves `pool` until cancelled; `ready(port)` is called once listening (port 0 = any free)."""
+                max_connections: int = 1024, idle_timeout_s: float = 600.0, request_timeout_s: float = 300.0,
+                ssl_context=None, request_threads: int = 256) -> None:
+    """Serves `pool` until cancelled; `ready(port)` is called once listening (port 0 = any free).
+    `ssl_context` (`auth.server_ssl_context`): serve TLS only. `request_threads`: requests that run
+    at once (each waits on its episode's worker; the rest queue)."""
     if not token:
         raise auth.AuthError("the env server needs a token (jaxrl_agent.auth)")
+    if request_threads < 1:
+        raise ValueError(f"request_threads={request_threads}: expected >= 1")
     server = _Server(pool, token, max_connections=max_connections, idle_timeout_s=idle_timeout_s,
-                     request_timeout_s=request_timeout_s)
-    listener = await asyncio.start_server(server.handle, host, port, limit=MAX_LINE_BYTES)
+                     request_timeout_s=request_timeout_s, request_threads=request_threads)
+    listener = await asyncio.start_server(server.handle, host, port, limit=MAX_LINE_BYTES, ssl=ssl_context,
+                                          ssl_handshake_timeout=min(60.0, idle_timeout_s) if ssl_context else None)
     bound = listener.sockets[0].getsockname()[1]
     if ready is not None:
         ready(bound)
-    async with listener:
-        await listener.serve_forever()
+    try:
+        async with listener:
+            await listener.serve_forever()
+    finally:
+        server.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _close(connection) -> None:
@@ -179,12 +196,15 @@ def _close(connection) -> None:
 class RemoteEnvPool:
     """Client of `jaxrl-agent env-server`; thread-safe. An episode keeps the connection that opened
     it until it is closed (the server scopes episodes to connections); other calls use any idle one.
-    `token`: the server's (default: `auth.load_token()`)."""
+    `token`: the server's (default: `auth.load_token()`). `tls_ca_file`: connect over TLS, trusting
+    only that CA's certificates for `host` ('' or None = plain TCP)."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = 120.0, token: str | None = None):
+    def __init__(self, host: str, port: int, *, timeout_s: float = 120.0, token: str | None = None,
+                 tls_ca_file: str | None = None):
         self.address = (host, port)
         self.timeout_s = timeout_s
         self.token = token or auth.load_token()
+        self._tls = auth.client_ssl_context(tls_ca_file) if tls_ca_file else None
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._episodes: dict[str, tuple] = {}
         self._ids = 0
@@ -196,6 +216,12 @@ class RemoteEnvPool:
         except queue.Empty:
             try:
                 sock = socket.create_connection(self.address, timeout=self.timeout_s)
+                if self._tls is not None:
+                    try:
+                        sock = self._tls.wrap_socket(sock, server_hostname=self.address[0])
+                    except OSError:
+                        sock.close()
+                        raise
             except OSError as err:
                 raise EnvServiceError(f"cannot reach env server at {self.address}: {err}") from None
             return sock, sock.makefile("rb")
@@ -291,11 +317,12 @@ class RemoteEnvServices:
     and the reset fails only when every server did. An episode stays on its server: if that server
     dies, the episode's next step raises `EnvServiceError` (the rollout records it as 'env_crash')."""
 
-    def __init__(self, addresses, *, timeout_s: float = 120.0):
+    def __init__(self, addresses, *, timeout_s: float = 120.0, tls_ca_file: str | None = None):
         addresses = [tuple(a) for a in addresses]
         if not addresses:
             raise ValueError("RemoteEnvServices needs at least one (host, port)")
-        self.servers = [RemoteEnvPool(host, int(port), timeout_s=timeout_s) for host, port in addresses]
+        self.servers = [RemoteEnvPool(host, int(port), timeout_s=timeout_s, tls_ca_file=tls_ca_file)
+                        for host, port in addresses]
         self._next = 0
         self._lock = threading.Lock()
         self.failovers = 0

@@ -2,7 +2,8 @@
 
 Reads one JSON request per line on stdin, writes one JSON reply per line on the original stdout
 (the environments' own prints are sent to stderr so they cannot corrupt the protocol), and exits at
-end of input. Started and supervised by `EnvPool`.
+end of input, or within a second of the process that started it dying (`parent_watch`: a worker
+stuck in a hanging step does not outlive a SIGKILLed pool). Started and supervised by `EnvPool`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--memory_mb", type=int, default=0)
     parser.add_argument("--import", dest="imports", action="append", default=[])
+    parser.add_argument("--parent_pid", type=int, default=0, help="Exit when this process (the pool's) dies.")
     args = parser.parse_args(argv)
+    from jaxrl_agent import parent_watch
+
+    parent_watch.exit_with_parent(args.parent_pid, exit_code=1)
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     if args.memory_mb:

@@ -38,11 +38,12 @@ class SamplerUnavailableError(RuntimeError):
 
 
 class _Server:
-    def __init__(self, address: str, token: str):
+    def __init__(self, address: str, token: str, credentials=None):
         import functools
 
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS) if credentials is not None
+                        else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
         as_json = dict(request_serializer=lambda r: json.dumps(r).encode(), response_deserializer=json.loads)
         signed = functools.partial(functools.partial, metadata=((auth.METADATA_KEY, f"Bearer {token}"),))
         self.generate = signed(self.channel.unary_unary(f"/{SERVICE}/Generate", **as_json))
@@ -59,15 +60,17 @@ class SamplerClient:
     max_attempts per request (default 2 per server); affinity_entries first prompts remembered for
     prefix affinity (least recently used dropped; 0 = off); affinity_slack extra requests in flight
     tolerated on the affine server before the least loaded one is used instead; token the servers'
-    shared token (default: `auth.load_token()`)."""
+    shared token (default: `auth.load_token()`); tls_ca_file the PEM CA that signed the servers' TLS
+    certificates (servers started with --tls_cert_file; None = plain gRPC, for loopback servers)."""
 
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 300.0, cooldown_s: float = 5.0,
                  max_attempts: int | None = None, affinity_entries: int = 4096, affinity_slack: int = 32,
-                 token: str | None = None):
+                 token: str | None = None, tls_ca_file: str | None = None):
         if not addresses:
             raise ValueError("SamplerClient needs at least one server address")
         token = token or auth.load_token()
-        self._servers = [_Server(a, token) for a in addresses]
+        credentials = auth.grpc_channel_credentials(tls_ca_file) if tls_ca_file else None
+        self._servers = [_Server(a, token, credentials) for a in addresses]
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
         self.max_attempts = max_attempts or 2 * len(addresses)

@@ -409,8 +409,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *, token: str,
                 default_sampling: SamplingParams = SamplingParams(temperature=0.0), ready=None,
-                pipeline_depth: int = 1, checkpoint_root: str | None = None) -> None:
-    """Runs both services until cancelled. `ready(port)` is called once listening."""
+                pipeline_depth: int = 1, checkpoint_root: str | None = None, credentials=None) -> None:
+    """Runs both services until cancelled. `ready(port)` is called once listening. `credentials`
+    (`auth.grpc_server_credentials`): serve TLS only."""
     if not token:
         raise auth.AuthError("the sampler server needs a token (jaxrl_agent.auth)")
     driver = SamplerDriver(engine, default_sampling, pipeline_depth=pipeline_depth)
@@ -419,7 +420,8 @@ async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *, 
     service = SamplerService(driver)
     service.checkpoint_root = checkpoint_root
     server.add_generic_rpc_handlers((service.handler(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+             else server.add_insecure_port(f"{host}:{port}"))
     await server.start()
     if ready is not None:
         ready(bound)

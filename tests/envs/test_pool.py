@@ -135,3 +135,39 @@ def test_pool_runs_builtin_envs_with_experts(service):
             if step.done:
                 break
         assert step.info["success"]
+
+
+def test_steps_waiting_while_their_worker_is_replaced_never_share_the_new_one():
+    """Steps that waited on a worker slot while its process was replaced (after a hang) and steps
+    that arrive just after the replacement take turns on the new process: each gets its own
+    episode's reply (the counts differ per episode), none a spurious timeout. Three rounds."""
+    with pool_lib.EnvPool(1, step_timeout_s=1.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        for round_ in range(3):
+            episodes = _open(p, 7)
+            for k, episode in enumerate(episodes[1:], start=1):
+                for _ in range(k):
+                    _count(p, episode)
+            results = {}
+
+            def step(index, action):
+                results[index] = p.step(episodes[index], action)
+
+            threads = [threading.Thread(target=step, args=(0, "hang"))]
+            threads[0].start()
+            time.sleep(0.3)
+            for index in (1, 2, 3):  # wait out the hang on the slot
+                threads.append(threading.Thread(target=step, args=(index, "count")))
+                threads[-1].start()
+            assert pool_lib.wait_for(lambda: p.stats["worker_restarts"] == round_ + 1, timeout=10, interval=0.002)
+            for index in (4, 5, 6):  # arrive as the worker is replaced
+                threads.append(threading.Thread(target=step, args=(index, "count")))
+                threads[-1].start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert not any(thread.is_alive() for thread in threads), "a step never returned"
+            assert results[0].info["finish_reason"] == "env_timeout"
+            for index in range(1, 7):
+                assert not results[index].done, results[index].info
+                assert results[index].observation.text == f"count={index + 1}", (round_, index)
+            for episode in episodes[1:]:
+                p.close_episode(episode)

@@ -151,3 +151,99 @@ def test_a_token_file(tmp_path):
     with pytest.raises(auth.AuthError, match="cannot read the token file"):
         auth.load_token(str(tmp_path / "missing"))
     assert auth.matches("a", "a") and not auth.matches("a", "b") and not auth.matches(None, "a")
+
+
+def test_a_tls_server_serves_clients_that_trust_its_ca_and_no_others(tls_files):
+    process, port = _server("--tls_cert_file", tls_files["cert"], "--tls_key_file", tls_files["key"])
+    try:
+        client = remote.RemoteEnvPool("127.0.0.1", port, tls_ca_file=tls_files["ca"])
+        episode, observation = client.reset("calculator", envs.make("calculator").sample_task(0, 1))
+        assert observation.text and client.num_workers == 1
+        client.close_episode(episode)
+        client.close()
+        # Plain TCP gets no reply: the request is not a TLS handshake, so the server drops the connection.
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall((json.dumps({"id": 1, "method": "num_workers", "params": {}, "token": TOKEN}) + "\n").encode())
+        assert b"result" not in sock.makefile("rb").read()
+        sock.close()
+        with pytest.raises(pool_lib.EnvServiceError):
+            remote.RemoteEnvPool("127.0.0.1", port).num_workers  # noqa: B018 - a plain-TCP client
+        with pytest.raises(pool_lib.EnvServiceError, match="CERTIFICATE_VERIFY_FAILED"):
+            remote.RemoteEnvPool("127.0.0.1", port, tls_ca_file=tls_files["other_ca"]).num_workers  # noqa: B018
+        # The trainer's side: env.tls_ca_file reaches the client.
+        from jaxrl_agent import build, config_lib
+
+        config = config_lib.load_config(str(ROOT / "configs" / "calculator_tiny.py"))
+        config.env.service = f"127.0.0.1:{port}"
+        config.env.tls_ca_file = tls_files["ca"]
+        build.validate_config(config)
+        environments = build.Environments(config)
+        assert environments.service.servers[0].num_workers == 1
+        environments.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_tls_settings_that_cannot_work_are_errors(tls_files, tmp_path):
+    from jaxrl_agent import build, config_lib
+
+    config = config_lib.load_config(str(ROOT / "configs" / "calculator_tiny.py"))
+    config.env.tls_ca_file = tls_files["ca"]
+    with pytest.raises(build.ConfigError, match="env.tls_ca_file=.* is for remote env servers"):
+        build.validate_config(config)
+    config.env.service, config.env.tls_ca_file = "127.0.0.1:1", str(tmp_path / "missing.pem")
+    with pytest.raises(build.ConfigError, match="no such file"):
+        build.validate_config(config)
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    with pytest.raises(auth.AuthError, match="holds no PEM certificate"):
+        auth.client_ssl_context(str(tmp_path / "junk.pem"))
+    with pytest.raises(auth.AuthError, match="needs both a certificate and its key"):
+        auth.check_tls_pair(tls_files["cert"], "")
+    done = subprocess.run([sys.executable, "-m", "jaxrl_agent.cli", "env-server", "--port", "0", "--tls_cert_file",
+                           tls_files["cert"], "--tls_key_file", tls_files["ca"]], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "cannot load the TLS certificate" in done.stderr
+
+
+def test_hanging_steps_hold_only_their_own_threads():
+    """Eight steps hanging on eight workers (more than asyncio's default executor has threads on
+    2 cores) leave other requests answered at once."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "envs"), os.environ.get("PYTHONPATH", "")]))
+    process, port = _server("--workers", "8", "--step_timeout_s", "60", "--import", "sleepy_envs", env=env)
+    try:
+        connections = [_connect(port) for _ in range(8)]
+        import dataclasses
+
+        task = dataclasses.replace(envs.make("calculator").sample_task(0, 1), env="sleepy").to_dict()
+        episodes = [_request(c, "reset", env="sleepy", task=task)["result"]["episode_id"] for c in connections]
+        for connection, episode in zip(connections, episodes):
+            connection[0].sendall((json.dumps({"id": 2, "method": "step", "params": {
+                "episode_id": episode, "action": "answer: 1"}, "token": TOKEN}) + "\n").encode())
+        time.sleep(1.0)  # the eight steps are now sleeping in their workers
+        started = time.monotonic()
+        assert _request(_connect(port), "num_workers")["result"] == 8
+        assert time.monotonic() - started < 5.0
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_workers_do_not_outlive_a_killed_server():
+    """SIGKILL of the env server, with a step hanging in its worker: the worker exits within seconds
+    instead of living on as an orphan."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "envs"), os.environ.get("PYTHONPATH", "")]))
+    process, port = _server("--workers", "1", "--step_timeout_s", "60", "--import", "sleepy_envs", env=env)
+    connection = _connect(port)
+    (worker,) = _request(connection, "worker_pids")["result"]
+    import dataclasses
+
+    task = dataclasses.replace(envs.make("calculator").sample_task(0, 1), env="sleepy").to_dict()
+    episode = _request(connection, "reset", env="sleepy", task=task)["result"]["episode_id"]
+    connection[0].sendall((json.dumps({"id": 2, "method": "step", "params": {"episode_id": episode, "action": "x"},
+                                       "token": TOKEN}) + "\n").encode())
+    time.sleep(0.5)
+    process.kill()
+    process.wait()
+    assert pool_lib.wait_for(lambda: not os.path.exists(f"/proc/{worker}") or
+                             open(f"/proc/{worker}/stat").read().split()[2] == "Z", timeout=5.0)

@@ -69,9 +69,9 @@ TOKEN = os.environ["JAXRL_AGENT_TOKEN"]
 SIGNED = ((auth.METADATA_KEY, f"Bearer {TOKEN}"),)
 
 
-def _start_server(log_path, **env):
+def _start_server(log_path, *flags, **env):
     args = [sys.executable, str(ROOT / "launch" / "sampler_server.py"), "--config", "configs/calculator_tiny.py",
-            "--port", "0", "--host", "127.0.0.1", f"--checkpoint_root={CHECKPOINT_ROOT}"] + [
+            "--port", "0", "--host", "127.0.0.1", f"--checkpoint_root={CHECKPOINT_ROOT}", *flags] + [
         f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     with open(log_path, "w") as log:  # the server's stderr, shown when a test finds a server dead
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -283,6 +283,35 @@ def test_calls_without_the_token_and_checkpoints_outside_the_root_are_refused(se
         assert set(failures) == set(addresses)
         assert all(err.code() == grpc.StatusCode.PERMISSION_DENIED for err in failures.values())
     assert all(info["version"] not in (997, 998, 999) for info in infos)
+
+
+def test_a_tls_server_answers_clients_that_trust_its_ca_and_no_others(tmp_path, tls_files):
+    proc, address = _start_server(tmp_path / "tls.log", f"--tls_cert_file={tls_files['cert']}",
+                                  f"--tls_key_file={tls_files['key']}")
+    prompt = TOKENIZER.encode("Q: 1+2=?")
+
+    async def run():
+        trusted = SamplerClient([address], tls_ca_file=tls_files["ca"], timeout_s=60)
+        completion = await trusted.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        await trusted.close()
+        failures = []
+        for kwargs in ({}, {"tls_ca_file": tls_files["other_ca"]}):  # plain gRPC, and a CA that did not sign it
+            untrusted = SamplerClient([address], timeout_s=5, max_attempts=1, **kwargs)
+            try:
+                await untrusted.generate(prompt, SamplingParams(max_tokens=4))
+                failures.append(None)
+            except Exception as err:  # noqa: BLE001 - which error is asserted below
+                failures.append(err)
+            await untrusted.close()
+        return completion, failures
+
+    try:
+        completion, failures = _run([(proc, address)], run())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(completion.token_ids) == greedy_reference(prompt, 4)
+    assert all(failure is not None for failure in failures), failures
 
 
 def test_killing_one_server_finishes_every_request_on_the_other(servers):
