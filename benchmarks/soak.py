@@ -147,43 +147,56 @@ class Soak:
         self.start_trainer(resume=True)
         return True
 
-    def bad_requests(self):
-        """Garbage, oversize and unauthenticated requests to the env server and a sampler server;
-        both must still serve a proper request afterwards."""
+    def bad_requests_env_server(self):
+        """Garbage, an unauthenticated and a 17 MiB request to the env server; it must still serve a
+        proper request afterwards."""
         from jaxrl_agent.envs import remote
 
         for payload in (b"\x00\xffgarbage\n", b'{"method": "stats", "token": "wrong"}\n',
                         b'{"method": "stats", "params": {"x": "' + b"a" * (17 * 2**20) + b'"}}\n'):
             with socket.create_connection(("127.0.0.1", self.env_port), timeout=30) as sock:
-                sock.sendall(payload)
-                sock.makefile("rb").readline()
+                try:
+                    sock.sendall(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the server answered and closed before the whole line was sent
+                reply = sock.makefile("rb").readline()
+                assert b'"error"' in reply, reply[:200]
         client = remote.RemoteEnvPool("127.0.0.1", self.env_port, timeout_s=60)
         client.stats  # noqa: B018 - a proper request is served
         client.close()
+        return True
+
+    def bad_requests_sampler_server(self):
+        """A wrong token through our client and garbage without a token through a raw channel, to
+        one of the trainer's sampler servers: both refused as UNAUTHENTICATED. None (not injected)
+        while that server is down (killed by the chaos, or the trainer is between segments)."""
+        import asyncio
+
+        import grpc
+
+        from jaxrl_agent.sampling.client import SamplerClient
+
         path = os.path.join(self.workdir, "sampler_servers.json")
-        if os.path.exists(path):
-            import asyncio
+        if not os.path.exists(path):
+            return None
+        address = self.rng.choice(json.load(open(path))["addresses"])
 
-            import grpc
+        async def intrude():
+            intruder = SamplerClient([address], token="wrong", timeout_s=30, max_attempts=1)
+            refused = await intruder.update_weights({"junk": [1.0]}, 10**9)
+            await intruder.close()
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    await channel.unary_unary("/jaxrl_agent.Sampler/UpdateWeights")(b"\x00" * 64, timeout=30)
+                    raw = None
+                except grpc.aio.AioRpcError as err:
+                    raw = err.code()
+            return [e.code() for e in refused.values()] + [raw]
 
-            from jaxrl_agent.sampling.client import SamplerClient
-
-            address = json.load(open(path))["addresses"][0]
-
-            async def intrude():
-                intruder = SamplerClient([address], token="wrong", timeout_s=30)
-                refused = await intruder.update_weights({"junk": [1.0]}, 10**9)
-                await intruder.close()
-                async with grpc.aio.insecure_channel(address) as channel:
-                    try:
-                        await channel.unary_unary("/jaxrl_agent.Sampler/UpdateWeights")(b"\x00" * 64, timeout=30)
-                    except grpc.aio.AioRpcError as err:
-                        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
-                return refused
-
-            refused = asyncio.run(intrude())
-            assert refused and all(e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
-                                   for e in refused.values()), refused
+        codes = asyncio.run(intrude())
+        if grpc.StatusCode.UNAVAILABLE in codes:
+            return None  # the server is down right now: try again later
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2, codes
         return True
 
     def hostile_code(self):
@@ -206,7 +219,9 @@ class Soak:
     # ------------------------------------------------------------------------------ the run
     def chaos(self):
         faults = [("kill env worker", self.kill_env_worker), ("kill sampler server", self.kill_sampler_server),
-                  ("SIGKILL trainer + resume", self.kill_trainer), ("bad requests", self.bad_requests),
+                  ("SIGKILL trainer + resume", self.kill_trainer),
+                  ("bad requests: env server", self.bad_requests_env_server),
+                  ("bad requests: sampler server", self.bad_requests_sampler_server),
                   ("hostile code", self.hostile_code)]
         # Every kind in each round, in a seeded random order: a short soak still injects them all.
         due: list = []
@@ -301,7 +316,7 @@ class Soak:
         kinds = {kind.split(":")[0] for kind in self.injected}
         checks["every kind of fault injected"] = kinds >= {
             "kill env worker", "kill sampler server", "SIGKILL trainer + resume", "bad requests", "hostile code",
-            "hang env step"}
+            "hang env step"} and {"bad requests: env server", "bad requests: sampler server"} <= set(self.injected)
         checks["env worker kills seen by the pool"] = (
             self.env_stats.get("env_crash", 0) + self.env_stats.get("worker_restarts", 0)
             >= self.injected.get("kill env worker", 0))
