@@ -1,9 +1,10 @@
 """Fault-injection soak: the default config on pool environments and two sampler servers, while a
 chaos thread, at seeded random moments, kills env workers, kills a sampler server, SIGKILLs the
-trainer and restarts it with --config.resume=True, sends garbage, oversize and unauthenticated requests to both kinds of server, and runs hostile code in the
-sandbox (the escapes of tests/envs/test_sandbox.py, a fork bomb, a 10 GB allocation, a socket, a
-write outside its directory, a kill of its parent); and env steps hang (soak_envs: the first step
-of one RL task in --hang_every).
+trainer and restarts it with --config.resume=True, sends garbage, oversize and unauthenticated
+requests to both kinds of server, and runs hostile code in the sandbox (the escapes of
+tests/envs/test_sandbox.py, a fork bomb, a 10 GB allocation, a socket, a write outside its
+directory, a kill of its parent); and env steps hang (soak_envs: the first step of one RL task in
+--hang_every).
 
   python benchmarks/soak.py --minutes 10 [--seed 0] [--workdir /tmp/soak]
 
