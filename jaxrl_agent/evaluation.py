@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from jaxrl_agent import envs, rollout
-from jaxrl_agent.metrics import invariants
+from jaxrl_agent.invariants import measures as invariants
 from jaxrl_agent.metrics.records import success
 from jaxrl_agent.rollout.episode import run_coroutine
 

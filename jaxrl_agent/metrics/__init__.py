@@ -1,6 +1,6 @@
 """Metrics: the invariant metrics (exploration, learning signal), pure record builders, the writer."""
 
-from jaxrl_agent.metrics.invariants import (
+from jaxrl_agent.invariants.measures import (
     distinct_solutions,
     entropy_by_env,
     group_signal,

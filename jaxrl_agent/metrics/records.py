@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_agent.metrics import invariants
+from jaxrl_agent.invariants import measures as invariants
 
 SAMPLER_COUNTERS = ("idle_seconds", "prefill_tokens", "reused_tokens", "generate_calls", "decode_seconds",
                     "admit_seconds", "live_slots", "decoded_slots")

@@ -1,4 +1,6 @@
-"""Exploration and learning-signal metrics over finished episodes (host-side, NumPy).
+"""The invariants' measures over an iteration's episodes (host-side, NumPy).
+
+Exploration:
 
   * `pass_at_k(n, c, k)` — the unbiased estimator of Chen et al. (2021), "Evaluating Large
     Language Models Trained on Code", eq. 1:  pass@k = 1 - C(n - c, k) / C(n, k)  for n samples of
@@ -6,9 +8,20 @@
   * `solution_signature` / `distinct_solutions` — episodes grouped by their normalised tool-call
     sequence (names and arguments, whitespace-insensitive): how many different ways a task was
     attacked. A collapse to one cluster per task is the exploration collapse DAPO and ProRL warn of.
+  * `entropy_by_env` — sampled-token entropy estimate per environment.
+  * `identical_group_share` — share of groups whose samples are all the same token sequence: the
+    sampler no longer explores within a group at all.
+
+Learning signal:
   * `group_signal` — share of groups whose rewards are not all equal (only those carry gradient
     under group-relative advantages).
-  * `entropy_by_env` — sampled-token entropy estimate per environment.
+  * `outcome_shares_by_difficulty` — per difficulty, the shares of groups all correct and all wrong
+    (the two ways a group has no signal: too easy, too hard).
+  * `advantage_magnitude` — mean |advantage| over trained episodes.
+
+Drift:
+  * `gap_stats` — mean, 99th percentile and max of |log pi_learner - log pi_sampler| over tokens.
+  * `lag_quantiles` — the policy-lag distribution (versions between sampling and training).
 """
 
 from __future__ import annotations
@@ -86,3 +99,62 @@ def entropy_by_env(trajectories: Iterable) -> dict[str, float]:
         total[t.env] += float(-np.asarray(t.sampler_logprobs, np.float64)[sampled].sum())
         tokens[t.env] += int(sampled.sum())
     return {env: total[env] / tokens[env] for env in total if tokens[env] > 0 and math.isfinite(total[env])}
+
+
+def identical_group_share(token_sequences_per_group: Sequence[Sequence[Sequence[int]]]) -> float:
+    """Share of groups (of two or more samples) whose samples are all the same token sequence."""
+    groups = [g for g in token_sequences_per_group if len(g) > 1]
+    if not groups:
+        return 0.0
+    return float(np.mean([len({tuple(int(x) for x in seq) for seq in g}) == 1 for g in groups]))
+
+
+def difficulty_of(task_id: str) -> str | None:
+    """The difficulty in a task id of the library's form `env/difficulty/seed` (None otherwise)."""
+    parts = task_id.split("/")
+    return parts[1] if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def outcome_shares_by_difficulty(successes_by_group: Mapping[str, Sequence[bool]]) -> dict[str, float]:
+    """`{'all_correct/d{d}': share, 'all_wrong/d{d}': share}` per difficulty, from each group's
+    task id (`difficulty_of`; ids without one count in the totals only) and its samples'
+    successes; plus the same over every group ('all_correct', 'all_wrong')."""
+    by_level: dict[str, list[tuple[bool, bool]]] = collections.defaultdict(list)
+    for task_id, successes in successes_by_group.items():
+        if not successes:
+            continue
+        outcome = (all(successes), not any(successes))
+        level = difficulty_of(task_id)
+        if level is not None:
+            by_level[level].append(outcome)
+        by_level["*"].append(outcome)
+    shares = {}
+    for level, outcomes in by_level.items():
+        suffix = "" if level == "*" else f"/d{level}"
+        shares[f"all_correct{suffix}"] = float(np.mean([c for c, _ in outcomes]))
+        shares[f"all_wrong{suffix}"] = float(np.mean([w for _, w in outcomes]))
+    return shares
+
+
+def advantage_magnitude(advantages: Iterable[float]) -> float:
+    """Mean |advantage| (0 when there are none)."""
+    values = np.abs(np.asarray(list(advantages), np.float64))
+    return float(values.mean()) if values.size else 0.0
+
+
+def gap_stats(learner_logprobs: np.ndarray, sampler_logprobs: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """`{'mean', 'p99', 'max'}` of |learner - sampler| log-probs over the tokens where mask is 1
+    (zeros when there are none)."""
+    gap = np.abs(np.asarray(learner_logprobs, np.float64) - np.asarray(sampler_logprobs, np.float64))
+    gap = gap[np.asarray(mask) == 1]
+    if not gap.size:
+        return {"mean": 0.0, "p99": 0.0, "max": 0.0}
+    return {"mean": float(gap.mean()), "p99": float(np.percentile(gap, 99)), "max": float(gap.max())}
+
+
+def lag_quantiles(lags: np.ndarray) -> dict[str, float]:
+    """`{'p50', 'p90', 'max'}` of the policy lag of trained tokens (zeros when there are none)."""
+    lags = np.asarray(lags, np.float64)
+    if not lags.size:
+        return {"p50": 0.0, "p90": 0.0, "max": 0.0}
+    return {"p50": float(np.percentile(lags, 50)), "p90": float(np.percentile(lags, 90)), "max": float(lags.max())}
