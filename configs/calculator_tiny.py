@@ -277,6 +277,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.exploration.entropy_floor = 0.01
     config.exploration.distinct_solutions_floor = 0.0  # (off: a calculator task has one right call)
 
+    config.invariants = ml_collections.ConfigDict()
+    # Drift measured apart from learning, every N RL iterations (0 = never): the train/serve gap on
+    # tokens the sampler drew with the learner's current parameters (numerics only), and the policy's
+    # movement over the iteration's updates (KL(start || end)). Two forward passes of one minibatch.
+    config.invariants.drift_every = 1
+
     config.sandbox = ml_collections.ConfigDict()
     # How the `code` environment isolates policy code: 'bwrap' (bubblewrap namespaces + seccomp;
     # the run refuses to start without it) or 'none' (resource limits and an audit hook only, with a

@@ -354,6 +354,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
         need(config[section][field] >= 0, f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
     need(config.sampler.pipeline_depth >= 1, f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected "
          ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
+    need(config.invariants.drift_every >= 0,
+         f"invariants.drift_every={config.invariants.drift_every}: expected >= 0 (0 = never)")
     need(rl.time_budget_minutes >= 0, f"rl.time_budget_minutes={rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
     need(r.group_size >= 1 and r.prompts_per_iteration >= 1,
          f"rollout.group_size={r.group_size}, rollout.prompts_per_iteration={r.prompts_per_iteration}: expected >= 1")

@@ -286,9 +286,10 @@ def run_rl(run: Run) -> None:
         run.judge_params = jax.tree.map(jnp.copy, run.params)
     state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, objective=run.objective,
                                          ref_params=reference)
-    proximal = learner.make_proximal_logprobs(run.model_config, run.mesh, temperature=r.temperature,
-                                              logits_chunk=config.learner.logits_chunk) \
-        if run.objective.needs_proximal else None
+    logprobs_fn = learner.make_proximal_logprobs(run.model_config, run.mesh, temperature=r.temperature,
+                                                 logits_chunk=config.learner.logits_chunk) \
+        if run.objective.needs_proximal or config.invariants.drift_every > 0 else None
+    proximal = logprobs_fn if run.objective.needs_proximal else None
     source = build.build_rollout_source(config, run.sampler, run.environments, run.tokenizer, run.template,
                                         run.episode_settings(r.temperature), run.train_levels)
     if config.data.tasks != "procedural":
@@ -313,7 +314,7 @@ def run_rl(run: Run) -> None:
     try:
         for iteration in range(first_iteration, c.iterations + 1):
             iteration_started = time.monotonic()
-            state = rl_iteration(run, source, iteration, state, step_fn, proximal)
+            state = rl_iteration(run, source, iteration, state, step_fn, proximal, logprobs_fn)
             durations.append(time.monotonic() - iteration_started)
             reason = None
             if c.stop_after_trained_tokens and run.trained_tokens_total >= c.stop_after_trained_tokens:
@@ -335,7 +336,8 @@ def run_rl(run: Run) -> None:
         source.runner.close()
 
 
-def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int, state, step_fn, proximal):
+def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int, state, step_fn, proximal,
+                 logprobs_fn=None):
     """Source -> post-processing -> replay -> learner -> metrics -> new weights."""
     config = run.config
     started = time.perf_counter()
@@ -360,7 +362,9 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     state, learner_metrics = learner.rl_update(
         state, step_fn, batch, rng=run.rng, minibatches=config.rl.minibatches, row_length=config.learner.row_length,
         row_multiple=learner.row_multiple_for(run.mesh, config.learner.row_multiple, config.rl.row_multiple),
-        target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal)
+        target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal,
+        **({"logprobs_fn": logprobs_fn, "current_version": run.version}
+           if _every(config.invariants.drift_every, iteration) else {}))
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if batch:

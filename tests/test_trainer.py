@@ -52,6 +52,18 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
         # On-policy, and the metric is from the last of two minibatches, after one small update.
         assert record["drift/sampler_abs_diff_max"] < 0.05
         assert record["policy_lag_max"] == 0
+        # Train/serve gap measured apart from learning: same parameters as the sampler, numerics only
+        # (the sampler test's tolerance); the policy's movement over the updates reported separately.
+        assert record["invariants/drift/serve_gap_tokens"] > 0
+        assert record["invariants/drift/serve_gap_max"] <= 1e-5
+        assert record["invariants/drift/policy_kl"] > 0
+        # The three invariants' figures on every iteration (on-policy: no lag).
+        assert record["invariants/exploration/entropy_min"] == record["sampled_entropy/calculator"]
+        assert record["invariants/exploration/pass_gap"] == pytest.approx(record["pass@2"] - record["success"])
+        assert 0.0 <= record["invariants/exploration/identical_group_share"] <= 1.0
+        assert record["invariants/signal/nonzero_share"] == record["nonzero_advantage_group_share"]
+        assert record["invariants/signal/all_correct"] + record["invariants/signal/all_wrong"] <= 1.0
+        assert record["invariants/drift/lag_max"] == 0.0
     evals = [r for r in records if r["stage"].endswith("eval")]
     assert all({"eval/pass@1/d1", "eval/pass@1/d4", "eval/success", "eval/pass@2/d4"} <= set(r) for r in evals)
     assert all(r["eval/pass@2/d1"] >= r["eval/sampled_pass@1/d1"] for r in evals)

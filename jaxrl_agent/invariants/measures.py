@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import json
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -115,12 +115,12 @@ def difficulty_of(task_id: str) -> str | None:
     return parts[1] if len(parts) == 3 and parts[1].isdigit() else None
 
 
-def outcome_shares_by_difficulty(successes_by_group: Mapping[str, Sequence[bool]]) -> dict[str, float]:
+def outcome_shares_by_difficulty(successes_by_group: Sequence[tuple[str, Sequence[bool]]]) -> dict[str, float]:
     """`{'all_correct/d{d}': share, 'all_wrong/d{d}': share}` per difficulty, from each group's
     task id (`difficulty_of`; ids without one count in the totals only) and its samples'
     successes; plus the same over every group ('all_correct', 'all_wrong')."""
     by_level: dict[str, list[tuple[bool, bool]]] = collections.defaultdict(list)
-    for task_id, successes in successes_by_group.items():
+    for task_id, successes in successes_by_group:
         if not successes:
             continue
         outcome = (all(successes), not any(successes))
@@ -158,3 +158,28 @@ def lag_quantiles(lags: np.ndarray) -> dict[str, float]:
     if not lags.size:
         return {"p50": 0.0, "p90": 0.0, "max": 0.0}
     return {"p50": float(np.percentile(lags, 50)), "p90": float(np.percentile(lags, 90)), "max": float(lags.max())}
+
+
+def iteration_invariants(groups: Sequence[Sequence], trained: Sequence, record: Mapping[str, float], *,
+                         group_size: int, success: Callable[[object], float], lags: np.ndarray) -> dict[str, float]:
+    """The three invariants' metrics of one RL iteration, under 'invariants/{exploration,signal,drift}/'.
+
+    groups: the iteration's groups of episodes; trained: the trajectories trained on; record: the
+    iteration record so far (its entropy, pass@k, distinct-solution, signal and throughput figures
+    are reused); success: an episode's success; lags: policy lag of every trained token.
+    """
+    entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
+    out = {
+        "invariants/exploration/entropy_min": min(entropies) if entropies else float("nan"),
+        "invariants/exploration/pass_gap": record.get(f"pass@{group_size}", 0.0) - record.get("success", 0.0),
+        "invariants/exploration/distinct_solutions": record.get("distinct_solutions", 0.0),
+        "invariants/exploration/identical_group_share": identical_group_share([[t.tokens for t in g] for g in groups]),
+        "invariants/signal/nonzero_share": record.get("nonzero_advantage_group_share", float("nan"))
+        if groups else float("nan"),
+        "invariants/signal/advantage_magnitude": advantage_magnitude(t.advantage for t in trained),
+        "invariants/signal/effective_samples_per_second": record.get("effective_samples_per_second", 0.0),
+        **{f"invariants/drift/lag_{k}": v for k, v in lag_quantiles(lags).items()},
+    }
+    shares = outcome_shares_by_difficulty([(g[0].task_id, [success(t) > 0 for t in g]) for g in groups if g])
+    out.update({f"invariants/signal/{k}": v for k, v in shares.items()})
+    return out

@@ -5,6 +5,13 @@
 the batch on the mesh, and — for the decoupled correction — runs `proximal_logprobs` on every
 minibatch with the iteration's starting parameters before the first update, so pi_prox is one
 policy for the whole iteration (Hilton et al. 2022; AReaL).
+
+Drift, measured apart from learning (given `logprobs_fn` and `current_version`): on the first
+minibatch, before any update, the learner's log-probs with the parameters the sampler holds are
+compared with the sampler's on the tokens it sampled at that same version — the train/serve gap,
+which is numerics alone (≤ 1e-5 in float32); after the iteration's updates, the learner's log-probs
+on the same tokens give the policy's movement, the k3 estimate of KL(pi_start || pi_end) (Schulman
+2020) over the sampled tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxrl_agent import models, sharding
+from jaxrl_agent.invariants import measures
 from jaxrl_agent.learner.step import PackedBatch, TrainState, sequence_logprobs
 
 
@@ -31,11 +39,18 @@ def make_proximal_logprobs(config: models.ModelConfig, mesh: jax.sharding.Mesh, 
 
 def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.random.RandomState, minibatches: int,
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
-              proximal_logprobs: Callable | None = None) -> tuple[TrainState, dict[str, float]]:
+              proximal_logprobs: Callable | None = None, logprobs_fn: Callable | None = None,
+              current_version: int | None = None) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
     new state and the last step's metrics as floats ({} when there is nothing to train on), with
     `update_skipped` the number of this call's steps that were skipped as non-finite,
-    `update_skipped_flags` each step's flag in order, and `skipped_steps_total` the state's count."""
+    `update_skipped_flags` each step's flag in order, and `skipped_steps_total` the state's count.
+
+    With `logprobs_fn` (`make_proximal_logprobs`) and `current_version` (the policy version of
+    `state.params`, which the sampler holds): the drift metrics of the module docstring,
+    'invariants/drift/serve_gap_mean|p99|max' over the first minibatch's tokens sampled at
+    `current_version` ('serve_gap_tokens' of them; absent when there are none) and
+    'invariants/drift/policy_kl' over all its sampled tokens."""
     from jaxrl_agent import replay
 
     if not trajectories:
@@ -50,16 +65,37 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
         batches.append(jax.device_put(batch, sharding.batch_sharding(mesh)))
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
+    measure = logprobs_fn is not None and current_version is not None
+    if measure:  # before any update: the parameters the sampler holds (the step donates them)
+        start = batches[0].old_logprobs if proximal_logprobs is not None else logprobs_fn(state.params, batches[0])
+        start = np.asarray(jax.device_get(start))
     metrics, skipped = {}, []
     for batch in batches:
         state, metrics = step_fn(state, batch)
         skipped.append(metrics["update_skipped"])
     out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if measure:
+        out.update(_drift(start, np.asarray(jax.device_get(logprobs_fn(state.params, batches[0]))),
+                          jax.device_get(batches[0]), current_version))
     # Every step's skip flag (a non-finite loss or gradient leaves the parameters as they were), in order.
     out["update_skipped"] = float(sum(jax.device_get(skipped)))
     out["update_skipped_flags"] = [bool(flag) for flag in jax.device_get(skipped)]
     out["skipped_steps_total"] = float(jax.device_get(state.skipped_steps))
     return state, out
+
+
+def _drift(start: np.ndarray, end: np.ndarray, batch: PackedBatch, current_version: int) -> dict[str, float]:
+    sampled = np.asarray(batch.loss_mask) == 1
+    same_version = sampled & (np.asarray(batch.policy_version) == current_version)
+    out = {}
+    if same_version.any():
+        gap = measures.gap_stats(start, np.asarray(batch.sampler_logprobs), same_version)
+        out.update({f"invariants/drift/serve_gap_{k}": v for k, v in gap.items()})
+        out["invariants/drift/serve_gap_tokens"] = float(same_version.sum())
+    if sampled.any():
+        x = np.clip((end - start)[sampled].astype(np.float64), -20.0, 20.0)  # log pi_end / pi_start
+        out["invariants/drift/policy_kl"] = float(np.mean(np.exp(x) - 1.0 - x))  # k3 of KL(start || end)
+    return out
 
 
 def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int) -> int:

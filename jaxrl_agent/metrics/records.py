@@ -96,6 +96,8 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
             record[f"signal_share/{env}"] = _mean(len({t.reward for t in g}) > 1 for g in env_groups)
             record[f"rollouts/{env}"] = len(env_episodes)
     record.update(extra or {})
+    record.update(invariants.iteration_invariants(groups, trained, record, group_size=group_size, success=success,
+                                                  lags=lag))
     return record
 
 

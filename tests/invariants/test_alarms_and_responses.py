@@ -107,8 +107,8 @@ def test_the_drift_response_tightens_staleness_not_below_its_floor_and_turns_on_
 
 def test_measures():
     assert measures.identical_group_share([[[1, 2], [1, 2]], [[1, 2], [1, 3]], [[4]]]) == 0.5
-    shares = measures.outcome_shares_by_difficulty({"calculator/1/0": [True, True], "calculator/1/1": [True, False],
-                                                    "calculator/3/2": [False, False], "data-7": [True, True]})
+    shares = measures.outcome_shares_by_difficulty([("calculator/1/0", [True, True]), ("calculator/1/1", [True, False]),
+                                                    ("calculator/3/2", [False, False]), ("data-7", [True, True])])
     assert shares == {"all_correct/d1": 0.5, "all_wrong/d1": 0.0, "all_correct/d3": 0.0, "all_wrong/d3": 1.0,
                       "all_correct": 0.5, "all_wrong": 0.25}
     assert measures.advantage_magnitude([1.0, -1.0, 0.5]) == pytest.approx(2.5 / 3)
