@@ -271,13 +271,27 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
     config.eval.pass_k = 0  # Also k samples per task at rollout.temperature for pass@k (0 = greedy only).
 
-    config.exploration = ml_collections.ConfigDict()
-    # Warn (and log guard/* = 1) when the mean sampled-token entropy of an environment falls below
-    # this many nats, or tasks average fewer distinct solutions (tool-call sequences) than this.
-    config.exploration.entropy_floor = 0.01
-    config.exploration.distinct_solutions_floor = 0.0  # (off: a calculator task has one right call)
-
     config.invariants = ml_collections.ConfigDict()
+    # The three invariants' alarms (jaxrl_agent/invariants): each fires after `fire_after` RL
+    # iterations in a row past its threshold and releases after `release_after` in a row back past
+    # its release level (hysteresis). Exploration: the lowest per-environment sampled-token entropy,
+    # in nats (0 = off; this run's fell from 0.09 to 0.04 over RL).
+    config.invariants.entropy_floor = 0.01
+    config.invariants.entropy_release = 0.02
+    # Also flag (guard/solution_collapse) tasks averaging fewer distinct tool-call sequences than
+    # this (0 = off: a calculator task has one right call).
+    config.invariants.distinct_solutions_floor = 0.0
+    # Learning signal: the share of groups with non-zero advantage (0 = off; ~0.2-0.3 here).
+    config.invariants.signal_floor = 0.1
+    config.invariants.signal_release = 0.15
+    # Drift: the train/serve gap's 99th percentile in nats on same-version tokens (numerics only:
+    # ~1e-6 in float32; 0 = off), and the largest policy lag of a trained token (0 = off).
+    config.invariants.serve_gap_ceiling = 1e-3
+    config.invariants.serve_gap_release = 1e-4
+    config.invariants.lag_ceiling = 4
+    config.invariants.lag_release = 2
+    config.invariants.fire_after = 2
+    config.invariants.release_after = 3
     # Drift measured apart from learning, every N RL iterations (0 = never): the train/serve gap on
     # tokens the sampler drew with the learner's current parameters (numerics only), and the policy's
     # movement over the iteration's updates (KL(start || end)). Two forward passes of one minibatch.

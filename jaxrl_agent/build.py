@@ -311,6 +311,28 @@ def build_reward_shaping(config, reward_fn=None):
                                  toggle_period=c.toggle_period, reward_fn=reward_fn)
 
 
+def alarm_specs(config) -> tuple:
+    """The invariants' alarms of `invariants.*` (`invariants.AlarmSpec`; a threshold of 0 turns one off)."""
+    from jaxrl_agent.invariants import AlarmSpec
+
+    c = config.invariants
+    timing = dict(fire_after=c.fire_after, release_after=c.release_after)
+    specs = []
+    if c.entropy_floor > 0:
+        specs.append(AlarmSpec("entropy", "exploration", "invariants/exploration/entropy_min", "low",
+                               threshold=c.entropy_floor, release=c.entropy_release, **timing))
+    if c.signal_floor > 0:
+        specs.append(AlarmSpec("signal", "signal", "invariants/signal/nonzero_share", "low",
+                               threshold=c.signal_floor, release=c.signal_release, **timing))
+    if c.serve_gap_ceiling > 0:
+        specs.append(AlarmSpec("serve_gap", "drift", "invariants/drift/serve_gap_p99", "high",
+                               threshold=c.serve_gap_ceiling, release=c.serve_gap_release, **timing))
+    if c.lag_ceiling > 0:
+        specs.append(AlarmSpec("lag", "drift", "invariants/drift/lag_max", "high", threshold=float(c.lag_ceiling),
+                               release=float(c.lag_release), **timing))
+    return tuple(specs)
+
+
 def env_service_addresses(config) -> list[tuple[str, int]]:
     """The remote env servers of `env.service='host:port,...'` ([] for 'inprocess' and 'pool')."""
     service = config.env.service
@@ -356,6 +378,10 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
     need(config.invariants.drift_every >= 0,
          f"invariants.drift_every={config.invariants.drift_every}: expected >= 0 (0 = never)")
+    try:
+        alarm_specs(config)
+    except ValueError as err:
+        raise ConfigError(f"invariants: {err}") from None
     need(rl.time_budget_minutes >= 0, f"rl.time_budget_minutes={rl.time_budget_minutes}: expected >= 0 (0 = no limit)")
     need(r.group_size >= 1 and r.prompts_per_iteration >= 1,
          f"rollout.group_size={r.group_size}, rollout.prompts_per_iteration={r.prompts_per_iteration}: expected >= 1")

@@ -29,6 +29,9 @@ class RunState:
     source: dict  # rollout.source.RolloutSource.state_dict()
     replay: dict  # replay.ReplayBuffer.state_dict()
     rng: list  # the trainer's numpy RandomState (minibatch order, demonstrations)
+    # The invariants' alarm states ({name: [active, streak]}); checkpoints written before they
+    # existed restore with none active.
+    invariants: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -36,10 +39,11 @@ class RunState:
     @classmethod
     def from_dict(cls, d: dict) -> "RunState":
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(fields - set(d))
+        optional = {"invariants"}
+        missing = sorted(fields - optional - set(d))
         if missing:
             raise ValueError(f"checkpoint run state lacks {missing}: written by an incompatible version")
-        return cls(**{k: d[k] for k in fields})
+        return cls(**{k: d[k] for k in fields if k in d})
 
 
 def rng_state(rng) -> list:

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_agent import build, checkpoint, evaluation, learner, losses, models, replay, rewards, rollout, sharding
+from jaxrl_agent import (build, checkpoint, evaluation, invariants, learner, losses, models, replay, rewards, rollout,
+                         sharding)
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 from jaxrl_agent.sampling import SamplingParams
@@ -48,7 +49,7 @@ class RunStopped(RuntimeError):
 
 
 # Stages logged during RL: their global step is `sft.steps` + the RL iteration.
-RL_STAGES = ("rl", "rl_eval", "rl_end", "resume")
+RL_STAGES = ("rl", "rl_eval", "rl_end", "resume", "alarm")
 
 
 def _every(period: int, iteration: int) -> bool:
@@ -94,6 +95,8 @@ class Run:
     global_step: int = 0  # the last record's step on the one counter across stages
     consecutive_skips: int = 0  # learner updates in a row skipped as non-finite
     skipped_checkpoints: list = dataclasses.field(default_factory=list)  # (step, reason) resume passed over
+    alarm_specs: tuple = ()  # invariants.AlarmSpec of invariants.*
+    alarm_states: dict = dataclasses.field(default_factory=dict)  # name -> invariants.AlarmState
 
     def log(self, stage: str, step: int, metrics: dict[str, Any], *, console: str | None = None,
             global_step: int | None = None) -> None:
@@ -138,7 +141,8 @@ class Run:
                 stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
                 trained_tokens_total=self.trained_tokens_total,
                 source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
-                rng=checkpoint.rng_state(self.rng)))
+                rng=checkpoint.rng_state(self.rng),
+                invariants={n: [a.active, a.streak] for n, a in self.alarm_states.items()}))
         except (checkpoint.CheckpointWriteError, OSError) as err:
             if not isinstance(err, checkpoint.CheckpointWriteError):  # raised before orbax was reached
                 err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
@@ -224,7 +228,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         # Wall time of the run so far: this process since it started building, plus what earlier
         # segments of a resumed run recorded in their last checkpoint.
         started=started - (resume.elapsed_seconds if resume is not None else 0.0),
-        rng=np.random.RandomState(config.seed), params=params)
+        rng=np.random.RandomState(config.seed), params=params, alarm_specs=build.alarm_specs(config))
 
 
 # ------------------------------------------------------------------------------------------- SFT
@@ -304,6 +308,7 @@ def run_rl(run: Run) -> None:
             checkpoint.set_rng_state(run.rng, resume.rng)
             run.buffer.load_state_dict(resume.replay)
             source.load_state_dict(resume.source)
+            run.alarm_states = {n: invariants.AlarmState(bool(a), int(k)) for n, (a, k) in resume.invariants.items()}
             run.sampler.update_weights(run.params, run.version)
             first_iteration = resume.iteration + 1
         run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
@@ -397,18 +402,29 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             **judge_metrics,
             **run.environments.stats(),
         })
-    guards = metrics_lib.exploration_guards(record, entropy_floor=config.exploration.entropy_floor,
-                                            distinct_solutions_floor=config.exploration.distinct_solutions_floor)
+    guards = metrics_lib.exploration_guards(record, entropy_floor=config.invariants.entropy_floor,
+                                            distinct_solutions_floor=config.invariants.distinct_solutions_floor)
     for name in guards:
         entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
         run.writer.say(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
                        f"solutions per task {record['distinct_solutions']:.2f})")
     record.update(guards)
+    run.alarm_states, alarm_events = invariants.alarms.step_all(run.alarm_specs, run.alarm_states, record)
+    record.update({f"invariants/alarm/{name}": float(a.active) for name, a in run.alarm_states.items()})
     left = (config.rl.iterations - iteration) * iteration_seconds
     budget = 60.0 * config.rl.time_budget_minutes
     eta = left if budget <= 0 else min(left, max(budget - run.elapsed_seconds(), 0.0))
+    state_line = invariants.alarms.console_state(run.alarm_specs, run.alarm_states)
     run.log("rl", iteration, record, console=metrics_lib.console_line(
-        iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta))
+        iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta) + f" | {state_line}")
+    for spec in run.alarm_specs:
+        if spec.name in alarm_events:
+            value = record.get(spec.metric)
+            run.log("alarm", iteration, {"alarm": spec.name, "invariant": spec.invariant, "event": alarm_events[spec.name],
+                                         "metric": spec.metric, "value": value, "threshold": spec.threshold,
+                                         "release": spec.release},
+                    console=f"alarm {spec.name} {alarm_events[spec.name]}: {spec.metric}={value:.4g} (threshold "
+                            f"{spec.threshold:g}, release {spec.release:g}) — {state_line}")
     run.writer.console.advance(1, {"success": record["success"], "reward": record["reward"],
                                    "tok/s": round(record["trained_tokens_per_second"]),
                                    "budget_eta": f"{eta / 60:.1f}min"})

@@ -37,7 +37,7 @@ def tiny_config(workdir):
 
 def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     config = tiny_config(tmp_path)
-    config.exploration.distinct_solutions_floor = 100.0  # always "collapsed": the guard must fire
+    config.invariants.distinct_solutions_floor = 100.0  # always "collapsed": the guard must fire
     path = trainer.train_and_evaluate(config, quiet=True)
     records = [json.loads(line) for line in open(path)]
     stages = [r["stage"] for r in records]

@@ -1,0 +1,57 @@
+"""The invariants' alarms in a run: each condition built, the alarm firing (a record, a console
+state, the flag on the RL record), and the drift alarm on a train/serve gap injected by perturbing
+the sampler's weights."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_agent import trainer
+from tests.test_trainer import tiny_config
+
+
+def _records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_entropy_and_signal_alarms_fire_when_their_condition_holds(tmp_path):
+    config = tiny_config(tmp_path)
+    config.rl.iterations, config.eval.every = 3, 0
+    # An "entropy collapse" and a "signal below the floor" by thresholds no run can meet.
+    config.invariants.entropy_floor, config.invariants.entropy_release = 100.0, 200.0
+    config.invariants.signal_floor, config.invariants.signal_release = 1.01, 1.02
+    config.invariants.fire_after = 2
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    rl = [r for r in records if r["stage"] == "rl"]
+    alarms = [r for r in records if r["stage"] == "alarm"]
+    # fire_after=2: quiet on iteration 1, on from iteration 2, one 'fired' record each, no flapping.
+    assert [r["invariants/alarm/entropy"] for r in rl] == [0.0, 1.0, 1.0]
+    assert [r["invariants/alarm/signal"] for r in rl] == [0.0, 1.0, 1.0]
+    assert sorted((r["alarm"], r["event"], r["step"]) for r in alarms) == [("entropy", "fired", 2),
+                                                                          ("signal", "fired", 2)]
+    assert all(r["invariants/alarm/serve_gap"] == 0.0 for r in rl)
+
+
+def test_a_perturbed_sampler_fires_the_drift_alarm_and_policy_movement_stays_apart(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path)
+    config.rl.iterations, config.eval.every = 3, 0
+    config.invariants.fire_after = 1
+    push = trainer.Run.push_weights
+
+    def push_perturbed(self, params):  # the learner keeps its parameters; the sampler gets others
+        push(self, params)
+        noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(0), x.shape, x.dtype), params)
+        self.sampler.update_weights(noisy, self.version)
+
+    monkeypatch.setattr(trainer.Run, "push_weights", push_perturbed)
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    rl = [r for r in records if r["stage"] == "rl"]
+    # Every push since SFT's went to the sampler perturbed (the unperturbed gap is <= 1e-5:
+    # tests/test_trainer.py), so every iteration samples from other weights than the learner's.
+    assert all(r["invariants/drift/serve_gap_p99"] > 1e-2 for r in rl)
+    assert [r["invariants/alarm/serve_gap"] for r in rl] == [1.0, 1.0, 1.0]
+    fired = [r for r in records if r["stage"] == "alarm" and r["invariant"] == "drift"]
+    assert [(r["alarm"], r["event"], r["step"]) for r in fired] == [("serve_gap", "fired", 1)]
+    # The policy's movement is its own figure: the same order on every iteration, gap or not.
+    assert all(0 < r["invariants/drift/policy_kl"] < 1e-2 for r in rl)
