@@ -105,7 +105,8 @@ class SamplerServers:
     meanwhile the client sends its requests to the others, or waits for it when it is the only one.
     """
 
-    def __init__(self, config, n: int, workdir: str, startup_timeout_s: float = 300.0, *, supervise: bool = True):
+    def __init__(self, config, n: int, workdir: str, startup_timeout_s: float = 300.0, *, supervise: bool = True,
+                 startup_attempts: int = 3):
         import json
         import sys
         import threading
@@ -135,8 +136,21 @@ class SamplerServers:
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
         self.processes = [self._spawn(0) for _ in range(n)]
+        self.addresses = []
         try:
-            self.addresses = [self._wait_ready(p) for p in self.processes]
+            for index in range(n):
+                # A server that dies while starting (killed, out of memory) is started again, up to
+                # `startup_attempts` times, before the run gives up.
+                for attempt in range(1, startup_attempts + 1):
+                    try:
+                        self.addresses.append(self._wait_ready(self.processes[index]))
+                        break
+                    except RuntimeError as err:
+                        if attempt == startup_attempts:
+                            raise
+                        print(f"warning: {err}; starting it again ({attempt}/{startup_attempts - 1})", flush=True)
+                        self.processes[index].kill()
+                        self.processes[index] = self._spawn(0)
         except RuntimeError:
             self.close()
             raise
@@ -152,8 +166,9 @@ class SamplerServers:
     def _spawn(self, port: int):
         import subprocess
 
+        # --await_weights: a (re)started server samples nothing before the trainer's weights arrive.
         return subprocess.Popen([self._python, "-m", "jaxrl_agent.cli", "sampler-server", "--config", self.config_path,
-                                 "--port", str(port)],
+                                 "--port", str(port), "--await_weights"],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self._env)
 
     def _wait_ready(self, process) -> str:
@@ -163,7 +178,11 @@ class SamplerServers:
                 return line.split()[-1]
             if time.monotonic() > deadline:
                 break
-        raise RuntimeError(f"sampler server {process.args} exited with {process.poll()} (or did not start within "
+        try:
+            code = process.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - still running: it did not start in time
+            code = None
+        raise RuntimeError(f"sampler server {' '.join(process.args[2:5])} exited with {code} (or did not start within "
                            f"{self.startup_timeout_s} s)")
 
     def _supervise(self) -> None:

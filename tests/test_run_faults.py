@@ -155,3 +155,32 @@ def test_a_run_on_one_sampler_server_survives_its_death(tmp_path):
     assert rl[-1]["sampler_server_restarts"] >= 1
     assert all(r["policy_lag_max"] <= 1 for r in rl[1:])
     assert rl[-1]["drift/sampler_abs_diff_max"] < 0.05  # the restarted server has the learner's weights
+
+
+def test_a_sampler_server_that_dies_while_starting_is_started_again(tmp_path, monkeypatch):
+    """Killed before it listens (the soak's chaos can): started again, up to startup_attempts."""
+    import subprocess
+    import sys
+
+    from jaxrl_agent import build
+
+    config = tiny_config(tmp_path)
+    listening = "print('sampler server listening on 127.0.0.1:1', flush=True); import time; time.sleep(60)"
+    commands = iter([[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", listening]])
+    spawned = []
+
+    def spawn(self, port):
+        spawned.append(subprocess.Popen(next(commands), stdout=subprocess.PIPE, text=True))
+        return spawned[-1]
+
+    monkeypatch.setattr(build.SamplerServers, "_spawn", spawn)
+    servers = build.SamplerServers(config, 1, str(tmp_path), supervise=False)
+    try:
+        assert servers.addresses == ["127.0.0.1:1"] and len(spawned) == 2 and spawned[0].returncode == 3
+    finally:
+        servers.close()
+    commands = iter([[sys.executable, "-c", "raise SystemExit(3)"]] * 2)
+    spawned.clear()
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        build.SamplerServers(config, 1, str(tmp_path), supervise=False, startup_attempts=2)
+    assert len(spawned) == 2

@@ -27,6 +27,8 @@ _CHECKPOINT_ROOT = flags.DEFINE_string("checkpoint_root", None, "LoadCheckpoint 
                                        "(unset: LoadCheckpoint is disabled).")
 _TLS_CERT = flags.DEFINE_string("tls_cert_file", "", "PEM certificate (chain): serve TLS only.")
 _TLS_KEY = flags.DEFINE_string("tls_key_file", "", "The certificate's PEM private key.")
+_AWAIT_WEIGHTS = flags.DEFINE_bool("await_weights", False, "Answer sampling requests with UNAVAILABLE until weights "
+                                   "arrive (UpdateWeights or LoadCheckpoint): how the trainer starts its servers.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -63,7 +65,7 @@ def main(argv):
 
     asyncio.run(server.serve(engine, _HOST.value, _PORT.value, token=token, default_sampling=default, ready=ready,
                              pipeline_depth=config.sampler.pipeline_depth, checkpoint_root=_CHECKPOINT_ROOT.value,
-                             credentials=credentials))
+                             credentials=credentials, await_weights=_AWAIT_WEIGHTS.value))
 
 
 def _exit_with_parent() -> None:

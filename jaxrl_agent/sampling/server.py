@@ -101,6 +101,9 @@ class SamplerDriver(orchestrator.Driver):
         # (its wall time: idle = waiting with no request at all; admit = batched prefills of
         # admitted requests; decode = dispatching `generate` calls and waiting for a pipeline place,
         # i.e. for an earlier call to be turned into tokens). Reported by `Info` as "sampler".
+        # Started with await_weights: sample nothing until weights arrive (a restarted server holds
+        # its random init, and a request served before the resync would be off-policy by every version).
+        self.awaiting_weights = False
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "generate_calls": 0,
                       "idle_seconds": 0.0, "admit_seconds": 0.0, "decode_seconds": 0.0, "live_slots": 0,
                       "decoded_slots": 0}
@@ -276,8 +279,12 @@ class SamplerOrchestrator(orchestrator.LLMOrchestrator):
     def __init__(self, driver: SamplerDriver):
         super().__init__(driver=driver)
         self._engine = driver.engine
+        self._driver_ref = driver
 
     async def Decode(self, request, context=None):  # noqa: N802 - gRPC method name
+        if self._driver_ref.awaiting_weights:
+            await orchestrator._abort_or_raise(context, grpc.StatusCode.UNAVAILABLE, NO_WEIGHTS)
+            return
         content, _ = self._get_prefill_content(request)
         length = len(content) if not isinstance(content, str) else len(self._engine.tokenizer.encode(content))
         if length > self._engine.max_prefill_length or length == 0:
@@ -299,6 +306,8 @@ class SamplerService:
         self.engine = driver.engine
 
     async def generate(self, request: dict, context) -> dict:
+        if self.driver.awaiting_weights:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_WEIGHTS)
         try:
             sampling = SamplingParams.from_dict(request.get("sampling", {}))
             ids = check_prompt(self.engine, request["prompt_ids"])
@@ -330,6 +339,7 @@ class SamplerService:
             await asyncio.to_thread(self.engine.update_weights, params, version)
         except (ValueError, TypeError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad weights: {err}")
+        self.driver.awaiting_weights = False
         return {"version": self.engine.version}
 
     async def load_checkpoint(self, request: dict, context) -> dict:
@@ -351,6 +361,7 @@ class SamplerService:
             await asyncio.to_thread(self.engine.update_weights, params, int(request["version"]))
         except Exception as err:  # noqa: BLE001 - report, keep serving the old weights
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load {request.get('path')!r}: {err}")
+        self.driver.awaiting_weights = False
         return {"version": self.engine.version}
 
     async def info(self, request: dict, context) -> dict:
@@ -375,6 +386,9 @@ def encode_weights(params, version: int) -> bytes:
     from flax import serialization
 
     return struct.pack("<q", int(version)) + serialization.msgpack_serialize(jax.device_get(params))
+
+
+NO_WEIGHTS = "no weights yet: this server was started with await_weights and has not been sent any"
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -409,12 +423,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *, token: str,
                 default_sampling: SamplingParams = SamplingParams(temperature=0.0), ready=None,
-                pipeline_depth: int = 1, checkpoint_root: str | None = None, credentials=None) -> None:
+                pipeline_depth: int = 1, checkpoint_root: str | None = None, credentials=None,
+                await_weights: bool = False) -> None:
     """Runs both services until cancelled. `ready(port)` is called once listening. `credentials`
-    (`auth.grpc_server_credentials`): serve TLS only."""
+    (`auth.grpc_server_credentials`): serve TLS only. `await_weights`: sampling requests get
+    UNAVAILABLE until the first UpdateWeights or LoadCheckpoint (clients retry them)."""
     if not token:
         raise auth.AuthError("the sampler server needs a token (jaxrl_agent.auth)")
     driver = SamplerDriver(engine, default_sampling, pipeline_depth=pipeline_depth)
+    driver.awaiting_weights = await_weights
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=(TokenInterceptor(token),))
     jetstream_pb2_grpc.add_OrchestratorServicer_to_server(SamplerOrchestrator(driver), server)
     service = SamplerService(driver)

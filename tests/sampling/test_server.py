@@ -314,6 +314,35 @@ def test_a_tls_server_answers_clients_that_trust_its_ca_and_no_others(tmp_path, 
     assert all(failure is not None for failure in failures), failures
 
 
+def test_a_server_awaiting_weights_samples_nothing_until_they_arrive(tmp_path):
+    """--await_weights (how the trainer starts and restarts its servers): a request before the first
+    weights gets UNAVAILABLE (retried by clients), never a sample from the random init."""
+    proc, address = _start_server(tmp_path / "await.log", "--await_weights")
+    prompt = TOKENIZER.encode("Q: 1+2=?")
+
+    async def run():
+        client = SamplerClient([address], timeout_s=3, max_attempts=1, cooldown_s=0.0)
+        try:
+            await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+            early = None
+        except Exception as err:  # noqa: BLE001 - asserted below
+            early = err
+        await client.update_weights(PARAMS, 5)
+        completion = await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        await client.close()
+        return early, completion
+
+    try:
+        early, completion = _run([(proc, address)], run())
+    finally:
+        proc.kill()
+        proc.wait()
+    from jaxrl_agent.sampling.client import SamplerUnavailableError
+
+    assert isinstance(early, SamplerUnavailableError) and "UNAVAILABLE" in str(early), early
+    assert list(completion.token_ids) == greedy_reference(prompt, 4) and set(completion.versions) == {5}
+
+
 def test_killing_one_server_finishes_every_request_on_the_other(servers):
     (victim, victim_address), (_, survivor_address) = servers
 
