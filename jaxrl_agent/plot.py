@@ -4,8 +4,10 @@ Reads `<workdir>/metrics.jsonl` and writes a PNG of six panels against the run's
 updates, then `sft.steps` + RL iteration; a dotted line marks where RL starts): held-out greedy
 pass@1 per difficulty and `eval/success`; RL training success and reward; sampled-token entropy
 per environment; the learning signal (share of groups with a non-zero advantage); drift (the
-learner-sampler log-prob gap, mean and max, and the mean policy lag); the SFT loss. Uses
-matplotlib's Agg backend (no display needed).
+learner-sampler log-prob gap, mean and max, and the mean policy lag); the SFT loss. A second page,
+`invariants.png` beside it, has the three invariants (`jaxrl_agent/invariants`) — exploration,
+learning signal, drift — with the iterations their alarms were on shaded. Uses matplotlib's Agg
+backend (no display needed).
 """
 
 from __future__ import annotations
@@ -72,35 +74,96 @@ def panels(records: list[dict]) -> list[tuple[str, list[tuple[tuple[str, ...], s
     ]
 
 
-def plot(workdir: str, out: str | None = None) -> str:
+INVARIANT_ALARMS = {"exploration": ("entropy",), "signal": ("signal",), "drift": ("serve_gap", "lag")}
+
+
+def invariant_panels(records: list[dict]) -> list[tuple[str, list[tuple[tuple[str, ...], str, str]]]]:
+    """The invariants page: [(title, [(stages, key, label), ...]), ...]."""
+    def line(key, label):
+        return (("rl",), f"invariants/{key}", label)
+
+    shares = sorted({k for r in records if r.get("stage") == "rl" for k in r
+                     if k.startswith("invariants/signal/all_") and "/d" in k})
+    return [
+        ("exploration", [line("exploration/entropy_min", "lowest sampled-token entropy (nats)"),
+                         line("exploration/pass_gap", "pass@k - pass@1"),
+                         line("exploration/identical_group_share", "groups all identical")]),
+        ("learning signal", [line("signal/nonzero_share", "groups with non-zero advantage"),
+                             line("signal/advantage_magnitude", "mean |advantage|")]
+         + [(("rl",), k, k.split("/", 2)[2]) for k in shares]),
+        ("drift", [line("drift/serve_gap_p99", "train/serve gap p99 (same version)"),
+                   line("drift/serve_gap_max", "... max"),
+                   line("drift/policy_kl", "policy movement KL(start||end)"),
+                   line("drift/lag_max", "policy lag max (versions)")]),
+    ]
+
+
+def _alarm_spans(records: list[dict], names: tuple[str, ...]) -> list[tuple[float, float]]:
+    """Global-step intervals during which any of the named alarms was on."""
+    spans, start = [], None
+    for r in records:
+        if r.get("stage") != "rl":
+            continue
+        on = any(r.get(f"invariants/alarm/{n}") == 1.0 for n in names)
+        if on and start is None:
+            start = _x(r) - 0.5
+        elif not on and start is not None:
+            spans.append((start, _x(r) - 0.5))
+            start = None
+    if start is not None:
+        spans.append((start, max(_x(r) for r in records if r.get("stage") == "rl") + 0.5))
+    return spans
+
+
+def _draw(records, page, out, rows, cols, title, *, log_titles=(), shade=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = load_records(workdir)
-    out = out or os.path.join(workdir, "curves.png")
     rl_start = min((_x(r) - r.get("step", 0) for r in records if r.get("stage") == "rl"), default=None)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
-    for ax, (title, lines) in zip(axes.flat, panels(records)):
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.75 * rows), squeeze=False)
+    for ax, (name, lines) in zip(axes.flat, page):
         for stages, key, label in lines:
             xs, ys = series(records, stages, key)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label,
                         linewidth=2.2 if key == "eval/success" else 1.2)
-        if title == "drift":
-            ax.set_yscale("symlog", linthresh=1e-3)
-        if rl_start is not None and title != "SFT":
+        if name in log_titles:
+            ax.set_yscale("symlog", linthresh=1e-5 if shade else 1e-3)
+        for left, right in (shade or {}).get(name, []):
+            ax.axvspan(left, right, color="red", alpha=0.12, label="alarm on" if left == shade[name][0][0] else None)
+        if rl_start is not None and name != "SFT":
             ax.axvline(rl_start, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(name, fontsize=10)
         ax.set_xlabel("global step (SFT updates, then RL iterations)", fontsize=8)
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(os.path.basename(os.path.abspath(workdir)), fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def plot(workdir: str, out: str | None = None) -> str:
+    """Writes the curves page (`out`, default <workdir>/curves.png) and the invariants page beside it
+    (`invariants.png`, or `<out stem>_invariants.png`); returns the curves page's path."""
+    records = load_records(workdir)
+    out = out or os.path.join(workdir, "curves.png")
+    name = os.path.basename(os.path.abspath(workdir))
+    _draw(records, panels(records), out, 2, 3, name, log_titles=("drift",))
+    shade = {title: _alarm_spans(records, names) for title, names in INVARIANT_ALARMS.items()}
+    _draw(records, invariant_panels(records), invariants_path(out), 1, 3, f"{name}: the three invariants",
+          log_titles=("drift",), shade=shade)
+    return out
+
+
+def invariants_path(out: str) -> str:
+    """The invariants page's path for a curves page at `out`."""
+    folder, base = os.path.split(out)
+    stem, ext = os.path.splitext(base)
+    return os.path.join(folder, "invariants.png" if base == "curves.png" else f"{stem}_invariants{ext or '.png'}")
 
 
 def run(argv=None) -> int:
@@ -110,7 +173,9 @@ def run(argv=None) -> int:
     parser.add_argument("workdir")
     parser.add_argument("--out", default=None, help="PNG path (default: <workdir>/curves.png)")
     args = parser.parse_args(argv[1:])
-    print(plot(args.workdir, args.out))
+    out = plot(args.workdir, args.out)
+    print(out)
+    print(invariants_path(out))
     return 0
 
 

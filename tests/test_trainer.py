@@ -121,6 +121,11 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     # The plot command writes a PNG of the curves.
     png = plot.plot(str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # ... and the invariants page, whose panels read the records' invariants/* figures.
+    assert open(tmp_path / "invariants.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    records = plot.load_records(str(tmp_path))
+    drawn = [key for _, lines in plot.invariant_panels(records) for _, key, _ in lines]
+    assert all(plot.series(records, ("rl",), key)[0] for key in drawn), drawn
 
 
 def test_resume_continues_the_same_schedule(tmp_path):

@@ -117,3 +117,14 @@ def test_measures():
     assert gap["max"] == pytest.approx(0.1) and gap["mean"] == pytest.approx(0.1 / 3)
     assert measures.gap_stats(np.zeros(3), np.ones(3), np.zeros(3)) == {"mean": 0.0, "p99": 0.0, "max": 0.0}
     assert measures.lag_quantiles(np.array([0, 0, 1, 4]))["max"] == 4.0
+
+
+def test_the_plot_shades_the_iterations_an_alarm_was_on():
+    from jaxrl_agent import plot
+
+    records = [{"stage": "rl", "global_step": s, "invariants/alarm/serve_gap": float(on), "invariants/alarm/lag": 0.0}
+               for s, on in zip(range(10, 16), [0, 1, 1, 0, 0, 1])]
+    assert plot._alarm_spans(records, ("serve_gap", "lag")) == [(10.5, 12.5), (14.5, 15.5)]
+    assert plot._alarm_spans(records, ("entropy",)) == []
+    assert plot.invariants_path("/w/curves.png") == "/w/invariants.png"
+    assert plot.invariants_path("/w/run.png") == "/w/run_invariants.png"
