@@ -42,6 +42,13 @@ class PackedBatch(flax.struct.PyTreeNode):
     # given, the output projection and softmax run at those K positions only, not at all T — in RL
     # rows most tokens are prompt, tool output and padding. None = every position.
     target_index: jax.Array | None = None
+    # Optional [B, 3] float32, the same in every row: the invariants' responses at run time
+    # (`invariants.responses.Controls`) — (entropy bonus added to the objective's, IcePop on (1) or
+    # off (0), unused). Values, not constants of the compiled step: changing them never recompiles.
+    loss_controls: jax.Array | None = None
+
+
+CONTROL_ENTROPY_BONUS, CONTROL_ICEPOP = 0, 1
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -115,8 +122,8 @@ def _split(batch: PackedBatch, microbatches: int) -> PackedBatch:
 
 def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransformation, *,
                     objective: Callable | None = None, microbatches: int = 1, temperature: float = 1.0,
-                    sft: bool = False, logits_chunk: int = 0) -> Callable[[TrainState, PackedBatch],
-                                                                           tuple[TrainState, Metrics]]:
+                    sft: bool = False, logits_chunk: int = 0, icepop_bounds: tuple[float, float] = (0.5, 2.0)
+                    ) -> Callable[[TrainState, PackedBatch], tuple[TrainState, Metrics]]:
     """Pure `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -127,8 +134,10 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
         describe the same distribution.
       logits_chunk: sequence positions whose [B, chunk, V] logits exist at once (0 = all T); see
         `sequence_logprobs`.
+      icepop_bounds: the ratio range IcePop keeps when a batch's `loss_controls` turn it on.
     """
     objective = objective or losses.make_objective(losses.default_objective_spec())
+    icepop_low, icepop_high = icepop_bounds
 
     def loss_fn(params, ref_params, micro: PackedBatch):
         logp, entropy = sequence_logprobs(config, params, micro, temperature=temperature, with_entropy=True,
@@ -143,9 +152,25 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
                 ref, _ = sequence_logprobs(config, ref_params, micro, temperature=temperature,
                                            logits_chunk=logits_chunk)
                 ref = jax.lax.stop_gradient(ref)
+            bonus = None
+            if micro.loss_controls is not None:
+                # IcePop (Ling Team 2025), when a response turned it on: tokens whose learner/sampler
+                # ratio leaves [low, high] carry no gradient in this step.
+                ratio = jnp.exp(jax.lax.stop_gradient(logp) - micro.sampler_logprobs)
+                outside = (ratio < icepop_low) | (ratio > icepop_high)
+                icepop = jnp.mean(micro.loss_controls[:, CONTROL_ICEPOP]) > 0.5
+                mask = jnp.where(icepop & outside, 0.0, mask)
+                bonus = jnp.mean(micro.loss_controls[:, CONTROL_ENTROPY_BONUS])
             inputs = losses.LossInputs(mask=mask, advantages=micro.advantages, old_logprobs=micro.old_logprobs,
                                        sampler_logprobs=micro.sampler_logprobs, ref_logprobs=ref, entropy=entropy)
             loss, metrics = objective(logp, inputs)
+            if bonus is not None:
+                # The exploration response's entropy bonus: loss -= c * mean entropy of sampled tokens.
+                loss = loss - bonus * losses.masked_token_mean(entropy, mask)
+                metrics["controls/entropy_bonus"] = bonus
+                metrics["controls/icepop_masked_share"] = jnp.where(
+                    icepop, losses.masked_token_mean(outside.astype(jnp.float32), micro.loss_mask.astype(jnp.float32)),
+                    0.0)
         metrics["entropy"] = losses.masked_token_mean(jax.lax.stop_gradient(entropy), mask)
         metrics["tokens"] = jnp.sum(mask)
         return loss, metrics

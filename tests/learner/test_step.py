@@ -166,3 +166,35 @@ def test_sharded_train_step_on_eight_devices_matches_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
     # A second call with the same shapes does not retrace.
     step(state, jax.device_put(batch, sharding.batch_sharding(mesh)))
+
+
+def _controls(batch, bonus, icepop):
+    rows = batch.tokens.shape[0]
+    return np.tile(np.array([[bonus, icepop, 0.0]], np.float32), (rows, 1))
+
+
+def test_loss_controls_add_an_entropy_bonus_and_icepop_masking_without_recompiling():
+    """The invariants' responses reach the step as values: zero controls change nothing; a bonus c
+    lowers the loss by exactly c x the mean entropy of the sampled tokens; IcePop drops the tokens
+    whose learner/sampler ratio leaves its range (here: all, since the sampler log-probs are -1 and
+    the learner's are far from it); one compiled step serves every setting."""
+    optimizer = learner.make_optimizer(learning_rate=0.0, warmup_steps=1, total_steps=10)  # parameters stay
+    state = learner.init_state(PARAMS, optimizer)
+    traces = []
+
+    def traced(*args):
+        traces.append(1)
+        return learner.make_train_step(CONFIG, optimizer)(*args)
+
+    step = jax.jit(traced)
+    batch = jax.tree.map(jnp.asarray, _expert_batch())
+    _, plain = learner.make_train_step(CONFIG, optimizer)(state, batch)
+    _, zero = step(state, batch.replace(loss_controls=jnp.asarray(_controls(batch, 0.0, 0.0))))
+    _, bonus = step(state, batch.replace(loss_controls=jnp.asarray(_controls(batch, 0.5, 0.0))))
+    _, icepop = step(state, batch.replace(loss_controls=jnp.asarray(_controls(batch, 0.0, 1.0))))
+    assert len(traces) == 1
+    np.testing.assert_allclose(zero["loss"], plain["loss"], rtol=1e-6)
+    np.testing.assert_allclose(bonus["loss"], plain["loss"] - 0.5 * plain["entropy"], rtol=1e-5)
+    assert float(bonus["controls/entropy_bonus"]) == 0.5 and float(zero["controls/icepop_masked_share"]) == 0.0
+    assert float(icepop["controls/icepop_masked_share"]) > 0.5
+    assert float(icepop["masked_token_share"]) >= float(plain["masked_token_share"])
