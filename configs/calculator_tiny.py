@@ -292,6 +292,17 @@ def get_config() -> ml_collections.ConfigDict:
     config.invariants.lag_release = 2
     config.invariants.fire_after = 2
     config.invariants.release_after = 3
+    # Responses (jaxrl_agent/invariants/responses.py), each engaging while its invariant's alarm is
+    # on and releasing after, logged as 'response' records: exploration raises an entropy bonus by
+    # entropy_coef_step per iteration up to entropy_coef_max; signal turns on dynamic sampling (sync)
+    # and, when all-correct groups dominate, sets aside up to max_dropped_levels of the easiest
+    # training levels; drift tightens rollout.max_staleness by one (async; not below staleness_min)
+    # and turns on IcePop masking (rl.icepop_low/high).
+    config.invariants.respond = False
+    config.invariants.entropy_coef_step = 0.002
+    config.invariants.entropy_coef_max = 0.02
+    config.invariants.max_dropped_levels = 1
+    config.invariants.staleness_min = 0
     # Drift measured apart from learning, every N RL iterations (0 = never): the train/serve gap on
     # tokens the sampler drew with the learner's current parameters (numerics only), and the policy's
     # movement over the iteration's updates (KL(start || end)). Two forward passes of one minibatch.

@@ -352,6 +352,18 @@ def alarm_specs(config) -> tuple:
     return tuple(specs)
 
 
+def response_settings(config):
+    """(base controls, bounds) of the invariants' responses: the knobs as the config sets them."""
+    from jaxrl_agent.invariants import Controls, ResponseBounds
+
+    c = config.invariants
+    base = Controls(entropy_coef=0.0, dynamic_sampling=bool(config.allocation.dynamic_sampling), dropped_levels=0,
+                    max_staleness=int(config.rollout.max_staleness), icepop=False)
+    bounds = ResponseBounds(entropy_coef_step=c.entropy_coef_step, entropy_coef_max=c.entropy_coef_max,
+                            max_dropped_levels=c.max_dropped_levels, staleness_min=c.staleness_min)
+    return base, bounds
+
+
 def env_service_addresses(config) -> list[tuple[str, int]]:
     """The remote env servers of `env.service='host:port,...'` ([] for 'inprocess' and 'pool')."""
     service = config.env.service
@@ -399,6 +411,7 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"invariants.drift_every={config.invariants.drift_every}: expected >= 0 (0 = never)")
     try:
         alarm_specs(config)
+        response_settings(config)
     except ValueError as err:
         raise ConfigError(f"invariants: {err}") from None
     need(rl.time_budget_minutes >= 0, f"rl.time_budget_minutes={rl.time_budget_minutes}: expected >= 0 (0 = no limit)")

@@ -49,7 +49,7 @@ class RunStopped(RuntimeError):
 
 
 # Stages logged during RL: their global step is `sft.steps` + the RL iteration.
-RL_STAGES = ("rl", "rl_eval", "rl_end", "resume", "alarm")
+RL_STAGES = ("rl", "rl_eval", "rl_end", "resume", "alarm", "response")
 
 
 def _every(period: int, iteration: int) -> bool:
@@ -97,6 +97,9 @@ class Run:
     skipped_checkpoints: list = dataclasses.field(default_factory=list)  # (step, reason) resume passed over
     alarm_specs: tuple = ()  # invariants.AlarmSpec of invariants.*
     alarm_states: dict = dataclasses.field(default_factory=dict)  # name -> invariants.AlarmState
+    base_controls: Any = None  # invariants.Controls as the config sets them
+    controls: Any = None  # the responses' current ones (invariants.respond)
+    response_bounds: Any = None
 
     def log(self, stage: str, step: int, metrics: dict[str, Any], *, console: str | None = None,
             global_step: int | None = None) -> None:
@@ -142,7 +145,8 @@ class Run:
                 trained_tokens_total=self.trained_tokens_total,
                 source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
                 rng=checkpoint.rng_state(self.rng),
-                invariants={n: [a.active, a.streak] for n, a in self.alarm_states.items()}))
+                invariants={"alarms": {n: [a.active, a.streak] for n, a in self.alarm_states.items()},
+                            **({"controls": invariants.responses.to_dict(self.controls)} if self.controls else {})}))
         except (checkpoint.CheckpointWriteError, OSError) as err:
             if not isinstance(err, checkpoint.CheckpointWriteError):  # raised before orbax was reached
                 err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
@@ -299,6 +303,8 @@ def run_rl(run: Run) -> None:
     if config.data.tasks != "procedural":
         run.log("data", 0, {"tasks": config.data.tasks, "task_records": source.tasks.size,
                             "skipped_records": dict(source.tasks.skipped)}, global_step=config.sft.steps)
+    run.base_controls, run.response_bounds = build.response_settings(config)
+    run.controls = run.base_controls
     first_iteration = 1
     if resume is not None:
         if resume.stage == "rl":
@@ -308,7 +314,11 @@ def run_rl(run: Run) -> None:
             checkpoint.set_rng_state(run.rng, resume.rng)
             run.buffer.load_state_dict(resume.replay)
             source.load_state_dict(resume.source)
-            run.alarm_states = {n: invariants.AlarmState(bool(a), int(k)) for n, (a, k) in resume.invariants.items()}
+            run.alarm_states = {n: invariants.AlarmState(bool(a), int(k))
+                                for n, (a, k) in resume.invariants.get("alarms", {}).items()}
+            if "controls" in resume.invariants:
+                run.controls = invariants.responses.from_dict(resume.invariants["controls"])
+                _apply_controls(run, source)
             run.sampler.update_weights(run.params, run.version)
             first_iteration = resume.iteration + 1
         run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
@@ -369,7 +379,9 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         row_multiple=learner.row_multiple_for(run.mesh, config.learner.row_multiple, config.rl.row_multiple),
         target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal,
         **({"logprobs_fn": logprobs_fn, "current_version": run.version}
-           if _every(config.invariants.drift_every, iteration) else {}))
+           if _every(config.invariants.drift_every, iteration) else {}),
+        loss_controls=(run.controls.entropy_coef, float(run.controls.icepop), 0.0) if config.invariants.respond
+        else None)
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if batch:
@@ -414,6 +426,15 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     left = (config.rl.iterations - iteration) * iteration_seconds
     budget = 60.0 * config.rl.time_budget_minutes
     eta = left if budget <= 0 else min(left, max(budget - run.elapsed_seconds(), 0.0))
+    response_events = {}
+    if config.invariants.respond:
+        run.controls, response_events = invariants.responses.respond(
+            run.base_controls, run.controls, invariants.alarms.invariant_states(run.alarm_specs, run.alarm_states),
+            run.response_bounds, num_levels=min(len(v) for v in run.train_levels.values()),
+            all_correct_dominates=record.get("invariants/signal/all_correct", 0.0)
+            > record.get("invariants/signal/all_wrong", 0.0))
+        _apply_controls(run, source)
+        record.update({f"controls/{k}": float(v) for k, v in invariants.responses.to_dict(run.controls).items()})
     state_line = invariants.alarms.console_state(run.alarm_specs, run.alarm_states)
     run.log("rl", iteration, record, console=metrics_lib.console_line(
         iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta) + f" | {state_line}")
@@ -428,6 +449,10 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     run.writer.console.advance(1, {"success": record["success"], "reward": record["reward"],
                                    "tok/s": round(record["trained_tokens_per_second"]),
                                    "budget_eta": f"{eta / 60:.1f}min"})
+    for invariant, event in response_events.items():
+        run.log("response", iteration, {"invariant": invariant, "event": event,
+                                        **invariants.responses.to_dict(run.controls)},
+                console=f"response {invariant} {event}: {invariants.responses.to_dict(run.controls)}")
     message = learner.skip_stop_message(run.consecutive_skips, config.learner.max_consecutive_skips, iteration)
     if message is not None:
         run.log("rl_end", iteration, {"reason": "non_finite_updates", "iterations": iteration,
@@ -438,6 +463,19 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     if _every(config.eval.every, iteration) or iteration == config.rl.iterations:
         run.log("rl_eval", iteration, run.evaluate())
     return state
+
+
+def _apply_controls(run: Run, source) -> None:
+    """Puts the responses' controls into the parts they steer: the source's dynamic sampling and
+    training levels (the easiest `dropped_levels` set aside), and the async staleness bound. The
+    learner's (entropy bonus, IcePop) travel with each batch."""
+    c = run.controls
+    source.dynamic_sampling = c.dynamic_sampling
+    if hasattr(source.tasks, "levels"):  # the procedural task stream (dataset tasks have no levels)
+        source.tasks.levels = {n: tuple(sorted(levels))[c.dropped_levels:] or tuple(sorted(levels))[-1:]
+                               for n, levels in run.train_levels.items()}
+    if run.postprocess.max_staleness is not None:
+        run.postprocess = dataclasses.replace(run.postprocess, max_staleness=c.max_staleness)
 
 
 def _time_for_another_iteration(run: Run, durations: list[float]) -> bool:

@@ -3,10 +3,10 @@
 Each invariant's response engages while one of its alarms is active and releases when none is,
 moving only its own knobs, always within `ResponseBounds`:
 
-  exploration  the entropy bonus rises by `entropy_coef_step` per iteration up to
-               `entropy_coef_max`, and the sampling temperature by `temperature_step` up to
-               `temperature_max` (DAPO's motivation for clip-higher, here through the two knobs that
-               act on any objective); released, both step back down to the config's values.
+  exploration  an entropy bonus, added to the objective's, rises by `entropy_coef_step` per
+               iteration up to `entropy_coef_max` (the knob that acts on any objective; the
+               sampling temperature stays, since learner and sampler must describe one
+               distribution); released, it steps back down to the config's value.
   signal       dynamic over-sampling (DAPO) is switched on; when all-correct groups dominate the
                groups without signal, the easiest training level is set aside (an automatic
                curriculum toward harder tasks; at most `max_dropped_levels`, at least one level is
@@ -31,8 +31,7 @@ ENGAGED, RELEASED = "engaged", "released"
 class Controls:
     """The knobs responses move. With nothing engaged they equal the config's values."""
 
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
+    entropy_coef: float = 0.0  # the bonus added to the objective's own entropy term
     dynamic_sampling: bool = False
     dropped_levels: int = 0  # easiest training levels set aside by the curriculum
     max_staleness: int = 2
@@ -43,13 +42,11 @@ class Controls:
 class ResponseBounds:
     entropy_coef_step: float = 0.002
     entropy_coef_max: float = 0.02
-    temperature_step: float = 0.05
-    temperature_max: float = 1.2
     max_dropped_levels: int = 1
     staleness_min: int = 0
 
     def __post_init__(self):
-        for name in ("entropy_coef_step", "entropy_coef_max", "temperature_step", "temperature_max"):
+        for name in ("entropy_coef_step", "entropy_coef_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"invariants response bound {name}={getattr(self, name)}: expected >= 0")
         if self.max_dropped_levels < 0 or self.staleness_min < 0:
@@ -65,7 +62,7 @@ def _toward(value: float, target: float, step: float) -> float:
 
 def _knobs(controls: Controls, invariant: str) -> tuple:
     if invariant == "exploration":
-        return controls.entropy_coef, controls.temperature
+        return (controls.entropy_coef,)
     if invariant == "signal":
         return controls.dynamic_sampling, controls.dropped_levels
     return controls.max_staleness, controls.icepop
@@ -81,14 +78,8 @@ def respond(base: Controls, controls: Controls, active: Mapping[str, bool], boun
     levels the curriculum may set aside from (one is always kept).
     """
     c = controls
-    if active.get("exploration"):
-        top_coef = max(bounds.entropy_coef_max, base.entropy_coef)
-        top_temperature = max(bounds.temperature_max, base.temperature)
-        c = dataclasses.replace(c, entropy_coef=_toward(c.entropy_coef, top_coef, bounds.entropy_coef_step),
-                                temperature=_toward(c.temperature, top_temperature, bounds.temperature_step))
-    else:
-        c = dataclasses.replace(c, entropy_coef=_toward(c.entropy_coef, base.entropy_coef, bounds.entropy_coef_step),
-                                temperature=_toward(c.temperature, base.temperature, bounds.temperature_step))
+    top = max(bounds.entropy_coef_max, base.entropy_coef) if active.get("exploration") else base.entropy_coef
+    c = dataclasses.replace(c, entropy_coef=_toward(c.entropy_coef, top, bounds.entropy_coef_step))
     if active.get("signal"):
         most = min(bounds.max_dropped_levels, max(num_levels - 1, 0))
         dropped = min(c.dropped_levels + 1, most) if all_correct_dominates else c.dropped_levels
@@ -108,3 +99,12 @@ def respond(base: Controls, controls: Controls, active: Mapping[str, bool], boun
         elif was != rest and now == rest:
             events[invariant] = RELEASED
     return c, events
+
+
+def to_dict(controls: Controls) -> dict:
+    return dataclasses.asdict(controls)
+
+
+def from_dict(d) -> Controls:
+    names = {f.name for f in dataclasses.fields(Controls)}
+    return Controls(**{k: v for k, v in dict(d).items() if k in names})

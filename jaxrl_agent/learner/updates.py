@@ -40,7 +40,8 @@ def make_proximal_logprobs(config: models.ModelConfig, mesh: jax.sharding.Mesh, 
 def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.random.RandomState, minibatches: int,
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
               proximal_logprobs: Callable | None = None, logprobs_fn: Callable | None = None,
-              current_version: int | None = None) -> tuple[TrainState, dict[str, float]]:
+              current_version: int | None = None, loss_controls: Sequence[float] | None = None
+              ) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
     new state and the last step's metrics as floats ({} when there is nothing to train on), with
     `update_skipped` the number of this call's steps that were skipped as non-finite,
@@ -50,7 +51,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     `state.params`, which the sampler holds): the drift metrics of the module docstring,
     'invariants/drift/serve_gap_mean|p99|max' over the first minibatch's tokens sampled at
     `current_version` ('serve_gap_tokens' of them; absent when there are none) and
-    'invariants/drift/policy_kl' over all its sampled tokens."""
+    'invariants/drift/policy_kl' over all its sampled tokens. `loss_controls`: the step's
+    `PackedBatch.loss_controls` row (entropy bonus, IcePop on, 0), put on every row."""
     from jaxrl_agent import replay
 
     if not trajectories:
@@ -62,6 +64,9 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
             continue
         batch, _ = replay.pack([trajectories[i] for i in part], row_length, row_multiple=row_multiple,
                                target_multiple=target_multiple)
+        if loss_controls is not None:
+            batch = batch.replace(loss_controls=np.tile(np.asarray(loss_controls, np.float32)[None, :],
+                                                        (batch.tokens.shape[0], 1)))
         batches.append(jax.device_put(batch, sharding.batch_sharding(mesh)))
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]

@@ -5,6 +5,7 @@ the sampler's weights."""
 import json
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from jaxrl_agent import trainer
@@ -55,3 +56,24 @@ def test_a_perturbed_sampler_fires_the_drift_alarm_and_policy_movement_stays_apa
     assert [(r["alarm"], r["event"], r["step"]) for r in fired] == [("serve_gap", "fired", 1)]
     # The policy's movement is its own figure: the same order on every iteration, gap or not.
     assert all(0 < r["invariants/drift/policy_kl"] < 1e-2 for r in rl)
+
+
+def test_responses_engage_within_their_bounds_and_reach_the_parts_they_steer(tmp_path):
+    config = tiny_config(tmp_path)
+    config.rl.iterations, config.eval.every = 4, 0
+    config.env.train_difficulties = "1,2"
+    config.invariants.respond = True
+    config.invariants.entropy_floor, config.invariants.entropy_release = 100.0, 200.0  # always "collapsed"
+    config.invariants.signal_floor, config.invariants.signal_release = 1.01, 1.02  # always "no signal"
+    config.invariants.fire_after = 1
+    config.invariants.entropy_coef_step, config.invariants.entropy_coef_max = 0.004, 0.01
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    rl = [r for r in records if r["stage"] == "rl"]
+    # The bonus the learner applied lags the controller by one iteration (decided after the metrics).
+    np.testing.assert_allclose([r["controls/entropy_coef"] for r in rl], [0.004, 0.008, 0.01, 0.01])
+    np.testing.assert_allclose([r["controls/entropy_bonus"] for r in rl], [0.0, 0.004, 0.008, 0.01], rtol=1e-6)
+    assert all(r["controls/dynamic_sampling"] == 1.0 and r["controls/icepop"] == 0.0 for r in rl)
+    assert all(0 <= r["controls/dropped_levels"] <= 1 for r in rl)
+    responses = [(r["invariant"], r["event"], r["step"]) for r in records if r["stage"] == "response"]
+    assert ("exploration", "engaged", 1) in responses and ("signal", "engaged", 1) in responses
+    assert not any(event == "released" for _, event, _ in responses)

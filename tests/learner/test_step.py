@@ -179,7 +179,7 @@ def test_loss_controls_add_an_entropy_bonus_and_icepop_masking_without_recompili
     whose learner/sampler ratio leaves its range (here: all, since the sampler log-probs are -1 and
     the learner's are far from it); one compiled step serves every setting."""
     optimizer = learner.make_optimizer(learning_rate=0.0, warmup_steps=1, total_steps=10)  # parameters stay
-    state = learner.init_state(PARAMS, optimizer)
+    state = learner.init_state(models.init_params(CONFIG, jax.random.PRNGKey(0)), optimizer)  # not PARAMS: donated
     traces = []
 
     def traced(*args):
