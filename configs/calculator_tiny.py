@@ -276,33 +276,33 @@ def get_config() -> ml_collections.ConfigDict:
     # iterations in a row past its threshold and releases after `release_after` in a row back past
     # its release level (hysteresis). Exploration: the lowest per-environment sampled-token entropy,
     # in nats (0 = off; this run's fell from 0.09 to 0.04 over RL).
-    config.invariants.entropy_floor = 0.01
-    config.invariants.entropy_release = 0.02
+    config.invariants.entropy_floor = 0.01  # Fires below this...
+    config.invariants.entropy_release = 0.02  # ...releases at or above this.
     # Also flag (guard/solution_collapse) tasks averaging fewer distinct tool-call sequences than
     # this (0 = off: a calculator task has one right call).
     config.invariants.distinct_solutions_floor = 0.0
     # Learning signal: the share of groups with non-zero advantage (0 = off; ~0.2-0.3 here).
-    config.invariants.signal_floor = 0.1
-    config.invariants.signal_release = 0.15
+    config.invariants.signal_floor = 0.1  # Fires below this...
+    config.invariants.signal_release = 0.15  # ...releases at or above this.
     # Drift: the train/serve gap's 99th percentile in nats on same-version tokens (numerics only:
     # ~1e-6 in float32; 0 = off), and the largest policy lag of a trained token (0 = off).
-    config.invariants.serve_gap_ceiling = 1e-3
-    config.invariants.serve_gap_release = 1e-4
-    config.invariants.lag_ceiling = 4
-    config.invariants.lag_release = 2
-    config.invariants.fire_after = 2
-    config.invariants.release_after = 3
+    config.invariants.serve_gap_ceiling = 1e-3  # Fires above this...
+    config.invariants.serve_gap_release = 1e-4  # ...releases at or below this.
+    config.invariants.lag_ceiling = 4  # Fires when a trained token is more versions old...
+    config.invariants.lag_release = 2  # ...releases at or below this.
+    config.invariants.fire_after = 2  # RL iterations in a row past a threshold before an alarm fires.
+    config.invariants.release_after = 3  # ... in a row back past its release level before it releases.
     # Responses (jaxrl_agent/invariants/responses.py), each engaging while its invariant's alarm is
     # on and releasing after, logged as 'response' records: exploration raises an entropy bonus by
     # entropy_coef_step per iteration up to entropy_coef_max; signal turns on dynamic sampling (sync)
     # and, when all-correct groups dominate, sets aside up to max_dropped_levels of the easiest
     # training levels; drift tightens rollout.max_staleness by one (async; not below staleness_min)
     # and turns on IcePop masking (rl.icepop_low/high).
-    config.invariants.respond = False
-    config.invariants.entropy_coef_step = 0.002
-    config.invariants.entropy_coef_max = 0.02
-    config.invariants.max_dropped_levels = 1
-    config.invariants.staleness_min = 0
+    config.invariants.respond = False  # Off: alarms only warn and log.
+    config.invariants.entropy_coef_step = 0.002  # Entropy bonus added per iteration while exploration is alarmed.
+    config.invariants.entropy_coef_max = 0.02  # The bonus's bound.
+    config.invariants.max_dropped_levels = 1  # Easiest training levels the curriculum may set aside.
+    config.invariants.staleness_min = 0  # The tightest staleness bound the drift response sets.
     # Drift measured apart from learning, every N RL iterations (0 = never): the train/serve gap on
     # tokens the sampler drew with the learner's current parameters (numerics only), and the policy's
     # movement over the iteration's updates (KL(start || end)). Two forward passes of one minibatch.
