@@ -68,6 +68,12 @@ def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Enviro
         headline.append(env_success)
     # The headline number: greedy success on held-out tasks of the levels RL trains on.
     results["eval/success"] = float(np.mean(headline)) if headline else 0.0
+    if spec.pass_k > 1:
+        # The deploy gap (drift's third part): what greedy decoding, as deployed, scores against what
+        # training's sampling scores on the same held-out tasks, averaged over the evaluated levels.
+        gaps = [v - results[k.replace("/pass@1/", "/sampled_pass@1/")] for k, v in results.items()
+                if "/pass@1/" in k and "sampled" not in k and k.replace("/pass@1/", "/sampled_pass@1/") in results]
+        results["eval/deploy_gap"] = float(np.mean(gaps)) if gaps else 0.0
     results["eval/seconds"] = time.monotonic() - started
     return results
 

@@ -94,7 +94,8 @@ def invariant_panels(records: list[dict]) -> list[tuple[str, list[tuple[tuple[st
         ("drift", [line("drift/serve_gap_p99", "train/serve gap p99 (same version)"),
                    line("drift/serve_gap_max", "... max"),
                    line("drift/policy_kl", "policy movement KL(start||end)"),
-                   line("drift/lag_max", "policy lag max (versions)")]),
+                   line("drift/lag_max", "policy lag max (versions)"),
+                   (EVAL_STAGES, "eval/deploy_gap", "deploy gap: greedy - sampled held-out success")]),
     ]
 
 

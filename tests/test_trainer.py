@@ -67,6 +67,9 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     evals = [r for r in records if r["stage"].endswith("eval")]
     assert all({"eval/pass@1/d1", "eval/pass@1/d4", "eval/success", "eval/pass@2/d4"} <= set(r) for r in evals)
     assert all(r["eval/pass@2/d1"] >= r["eval/sampled_pass@1/d1"] for r in evals)
+    for r in evals:  # greedy (deployed) against sampled (trained) success on the same tasks
+        gaps = [r[f"eval/pass@1/d{d}"] - r[f"eval/sampled_pass@1/d{d}"] for d in (1, 4)]
+        assert r["eval/deploy_gap"] == pytest.approx(sum(gaps) / 2)
     for record in rl:  # exploration and throughput figures on every iteration
         assert record["pass@2"] >= record["success"] - 1e-9
         # Mean distinct tool-call sequences per task over 3 groups of 2: a multiple of 1/3 in [1, 2]
@@ -124,8 +127,8 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     # ... and the invariants page, whose panels read the records' invariants/* figures.
     assert open(tmp_path / "invariants.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     records = plot.load_records(str(tmp_path))
-    drawn = [key for _, lines in plot.invariant_panels(records) for _, key, _ in lines]
-    assert all(plot.series(records, ("rl",), key)[0] for key in drawn), drawn
+    drawn = [(stages, key) for _, lines in plot.invariant_panels(records) for stages, key, _ in lines]
+    assert all(plot.series(records, stages, key)[0] for stages, key in drawn), drawn
 
 
 def test_resume_continues_the_same_schedule(tmp_path):
