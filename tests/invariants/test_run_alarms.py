@@ -77,3 +77,36 @@ def test_responses_engage_within_their_bounds_and_reach_the_parts_they_steer(tmp
     responses = [(r["invariant"], r["event"], r["step"]) for r in records if r["stage"] == "response"]
     assert ("exploration", "engaged", 1) in responses and ("signal", "engaged", 1) in responses
     assert not any(event == "released" for _, event, _ in responses)
+
+
+def test_an_alarm_that_releases_in_a_run_releases_its_response(tmp_path, monkeypatch):
+    """Entropy scripted per iteration (collapsed twice, then healthy): the alarm fires and
+    releases, and the entropy bonus rises, then steps back to the config's value, with a
+    'response' record at each end."""
+    from jaxrl_agent.metrics import records as records_lib
+
+    scripted = iter([0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    measure = records_lib.invariants.iteration_invariants
+
+    def scripted_invariants(*args, **kwargs):
+        out = measure(*args, **kwargs)
+        out["invariants/exploration/entropy_min"] = next(scripted)
+        return out
+
+    monkeypatch.setattr(records_lib.invariants, "iteration_invariants", scripted_invariants)
+    config = tiny_config(tmp_path)
+    config.rl.iterations, config.eval.every = 7, 0
+    config.invariants.respond = True
+    config.invariants.entropy_floor, config.invariants.entropy_release = 0.5, 0.6
+    config.invariants.signal_floor = config.invariants.serve_gap_ceiling = config.invariants.lag_ceiling = 0  # off
+    config.invariants.fire_after, config.invariants.release_after = 1, 2
+    config.invariants.entropy_coef_step, config.invariants.entropy_coef_max = 0.004, 0.01
+    records = _records(trainer.train_and_evaluate(config, quiet=True))
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["invariants/alarm/entropy"] for r in rl] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    np.testing.assert_allclose([r["controls/entropy_coef"] for r in rl], [0.004, 0.008, 0.01, 0.006, 0.002, 0, 0],
+                               atol=1e-12)
+    events = [(r["stage"], r.get("alarm") or r.get("invariant"), r["event"], r["step"]) for r in records
+              if r["stage"] in ("alarm", "response")]
+    assert events == [("alarm", "entropy", "fired", 1), ("response", "exploration", "engaged", 1),
+                      ("alarm", "entropy", "released", 4), ("response", "exploration", "released", 6)]
