@@ -131,10 +131,11 @@ def test_sandboxed_processes_die_with_their_worker():
     tree = _descendants(worker.pid)
     worker.kill()
     worker.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20  # the kills are immediate; tearing a process down on a loaded host is not
     while any(map(_alive, tree)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(_alive, tree)), [pid for pid in tree if _alive(pid)]
+    survivors = {pid: open(f"/proc/{pid}/stat").read() for pid in tree if _alive(pid)}
+    assert not survivors, survivors
 
 
 def test_the_seccomp_filter_refuses_what_an_audit_hook_cannot_see(tmp_path):
