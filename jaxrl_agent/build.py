@@ -330,9 +330,10 @@ def build_reward_shaping(config, reward_fn=None):
                                  toggle_period=c.toggle_period, reward_fn=reward_fn)
 
 
-def alarm_specs(config) -> tuple:
-    """The invariants' alarms of `invariants.*` (`invariants.AlarmSpec`; a threshold of 0 turns one off)."""
-    from jaxrl_agent.invariants import AlarmSpec
+def invariant_settings(config):
+    """`invariants.Settings` of `invariants.*`: the alarms (a threshold of 0 turns one off), the
+    responses' knobs as the config sets them and their bounds, and the exploration guards' floors."""
+    from jaxrl_agent.invariants import AlarmSpec, Controls, ResponseBounds, Settings
 
     c = config.invariants
     timing = dict(fire_after=c.fire_after, release_after=c.release_after)
@@ -349,19 +350,12 @@ def alarm_specs(config) -> tuple:
     if c.lag_ceiling > 0:
         specs.append(AlarmSpec("lag", "drift", "invariants/drift/lag_max", "high", threshold=float(c.lag_ceiling),
                                release=float(c.lag_release), **timing))
-    return tuple(specs)
-
-
-def response_settings(config):
-    """(base controls, bounds) of the invariants' responses: the knobs as the config sets them."""
-    from jaxrl_agent.invariants import Controls, ResponseBounds
-
-    c = config.invariants
     base = Controls(entropy_coef=0.0, dynamic_sampling=bool(config.allocation.dynamic_sampling), dropped_levels=0,
                     max_staleness=int(config.rollout.max_staleness), icepop=False)
     bounds = ResponseBounds(entropy_coef_step=c.entropy_coef_step, entropy_coef_max=c.entropy_coef_max,
                             max_dropped_levels=c.max_dropped_levels, staleness_min=c.staleness_min)
-    return base, bounds
+    return Settings(specs=tuple(specs), base=base, bounds=bounds, respond=bool(c.respond),
+                    entropy_floor=c.entropy_floor, distinct_solutions_floor=c.distinct_solutions_floor)
 
 
 def env_service_addresses(config) -> list[tuple[str, int]]:
@@ -410,8 +404,7 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(config.invariants.drift_every >= 0,
          f"invariants.drift_every={config.invariants.drift_every}: expected >= 0 (0 = never)")
     try:
-        alarm_specs(config)
-        response_settings(config)
+        invariant_settings(config)
     except ValueError as err:
         raise ConfigError(f"invariants: {err}") from None
     need(rl.time_budget_minutes >= 0, f"rl.time_budget_minutes={rl.time_budget_minutes}: expected >= 0 (0 = no limit)")

@@ -95,11 +95,8 @@ class Run:
     global_step: int = 0  # the last record's step on the one counter across stages
     consecutive_skips: int = 0  # learner updates in a row skipped as non-finite
     skipped_checkpoints: list = dataclasses.field(default_factory=list)  # (step, reason) resume passed over
-    alarm_specs: tuple = ()  # invariants.AlarmSpec of invariants.*
-    alarm_states: dict = dataclasses.field(default_factory=dict)  # name -> invariants.AlarmState
-    base_controls: Any = None  # invariants.Controls as the config sets them
-    controls: Any = None  # the responses' current ones (invariants.respond)
-    response_bounds: Any = None
+    invariant_settings: invariants.Settings = invariants.Settings()  # of invariants.*
+    invariants: invariants.MonitorState | None = None  # alarm states and the responses' controls
 
     def log(self, stage: str, step: int, metrics: dict[str, Any], *, console: str | None = None,
             global_step: int | None = None) -> None:
@@ -145,8 +142,7 @@ class Run:
                 trained_tokens_total=self.trained_tokens_total,
                 source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
                 rng=checkpoint.rng_state(self.rng),
-                invariants={"alarms": {n: [a.active, a.streak] for n, a in self.alarm_states.items()},
-                            **({"controls": invariants.responses.to_dict(self.controls)} if self.controls else {})}))
+                invariants=self.invariants.to_dict() if self.invariants is not None else {}))
         except (checkpoint.CheckpointWriteError, OSError) as err:
             if not isinstance(err, checkpoint.CheckpointWriteError):  # raised before orbax was reached
                 err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
@@ -232,7 +228,8 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         # Wall time of the run so far: this process since it started building, plus what earlier
         # segments of a resumed run recorded in their last checkpoint.
         started=started - (resume.elapsed_seconds if resume is not None else 0.0),
-        rng=np.random.RandomState(config.seed), params=params, alarm_specs=build.alarm_specs(config))
+        rng=np.random.RandomState(config.seed), params=params,
+        invariant_settings=build.invariant_settings(config))
 
 
 # ------------------------------------------------------------------------------------------- SFT
@@ -303,8 +300,7 @@ def run_rl(run: Run) -> None:
     if config.data.tasks != "procedural":
         run.log("data", 0, {"tasks": config.data.tasks, "task_records": source.tasks.size,
                             "skipped_records": dict(source.tasks.skipped)}, global_step=config.sft.steps)
-    run.base_controls, run.response_bounds = build.response_settings(config)
-    run.controls = run.base_controls
+    run.invariants = invariants.MonitorState.initial(run.invariant_settings)
     first_iteration = 1
     if resume is not None:
         if resume.stage == "rl":
@@ -314,11 +310,9 @@ def run_rl(run: Run) -> None:
             checkpoint.set_rng_state(run.rng, resume.rng)
             run.buffer.load_state_dict(resume.replay)
             source.load_state_dict(resume.source)
-            run.alarm_states = {n: invariants.AlarmState(bool(a), int(k))
-                                for n, (a, k) in resume.invariants.get("alarms", {}).items()}
-            if "controls" in resume.invariants:
-                run.controls = invariants.responses.from_dict(resume.invariants["controls"])
-                _apply_controls(run, source)
+            run.invariants = invariants.MonitorState.from_dict(resume.invariants, run.invariant_settings)
+            if run.invariant_settings.respond:
+                _steer(run, source)
             run.sampler.update_weights(run.params, run.version)
             first_iteration = resume.iteration + 1
         run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
@@ -380,8 +374,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal,
         **({"logprobs_fn": logprobs_fn, "current_version": run.version}
            if _every(config.invariants.drift_every, iteration) else {}),
-        loss_controls=(run.controls.entropy_coef, float(run.controls.icepop), 0.0) if config.invariants.respond
-        else None)
+        loss_controls=(run.invariants.controls.entropy_coef, float(run.invariants.controls.icepop), 0.0)
+        if run.invariant_settings.respond else None)
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if batch:
@@ -414,45 +408,24 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             **judge_metrics,
             **run.environments.stats(),
         })
-    guards = metrics_lib.exploration_guards(record, entropy_floor=config.invariants.entropy_floor,
-                                            distinct_solutions_floor=config.invariants.distinct_solutions_floor)
-    for name in guards:
-        entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
-        run.writer.say(f"warning: {name} (entropy {min(entropies) if entropies else float('nan'):.4f}, distinct "
-                       f"solutions per task {record['distinct_solutions']:.2f})")
-    record.update(guards)
-    run.alarm_states, alarm_events = invariants.alarms.step_all(run.alarm_specs, run.alarm_states, record)
-    record.update({f"invariants/alarm/{name}": float(a.active) for name, a in run.alarm_states.items()})
+    outcome = invariants.monitor.step(run.invariant_settings, run.invariants, record,
+                                      num_levels=min(len(v) for v in run.train_levels.values()))
+    for warning in outcome.warnings:
+        run.writer.say(warning)
+    record.update(outcome.metrics)
+    run.invariants = outcome.state
+    if run.invariant_settings.respond:
+        _steer(run, source)
     left = (config.rl.iterations - iteration) * iteration_seconds
     budget = 60.0 * config.rl.time_budget_minutes
     eta = left if budget <= 0 else min(left, max(budget - run.elapsed_seconds(), 0.0))
-    response_events = {}
-    if config.invariants.respond:
-        run.controls, response_events = invariants.responses.respond(
-            run.base_controls, run.controls, invariants.alarms.invariant_states(run.alarm_specs, run.alarm_states),
-            run.response_bounds, num_levels=min(len(v) for v in run.train_levels.values()),
-            all_correct_dominates=record.get("invariants/signal/all_correct", 0.0)
-            > record.get("invariants/signal/all_wrong", 0.0))
-        _apply_controls(run, source)
-        record.update({f"controls/{k}": float(v) for k, v in invariants.responses.to_dict(run.controls).items()})
-    state_line = invariants.alarms.console_state(run.alarm_specs, run.alarm_states)
     run.log("rl", iteration, record, console=metrics_lib.console_line(
-        iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta) + f" | {state_line}")
-    for spec in run.alarm_specs:
-        if spec.name in alarm_events:
-            value = record.get(spec.metric)
-            run.log("alarm", iteration, {"alarm": spec.name, "invariant": spec.invariant, "event": alarm_events[spec.name],
-                                         "metric": spec.metric, "value": value, "threshold": spec.threshold,
-                                         "release": spec.release},
-                    console=f"alarm {spec.name} {alarm_events[spec.name]}: {spec.metric}={value:.4g} (threshold "
-                            f"{spec.threshold:g}, release {spec.release:g}) — {state_line}")
+        iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta) + f" | {outcome.state_line}")
+    for event in outcome.events:
+        run.log(event.stage, iteration, event.record, console=event.console)
     run.writer.console.advance(1, {"success": record["success"], "reward": record["reward"],
                                    "tok/s": round(record["trained_tokens_per_second"]),
                                    "budget_eta": f"{eta / 60:.1f}min"})
-    for invariant, event in response_events.items():
-        run.log("response", iteration, {"invariant": invariant, "event": event,
-                                        **invariants.responses.to_dict(run.controls)},
-                console=f"response {invariant} {event}: {invariants.responses.to_dict(run.controls)}")
     message = learner.skip_stop_message(run.consecutive_skips, config.learner.max_consecutive_skips, iteration)
     if message is not None:
         run.log("rl_end", iteration, {"reason": "non_finite_updates", "iterations": iteration,
@@ -465,17 +438,14 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     return state
 
 
-def _apply_controls(run: Run, source) -> None:
-    """Puts the responses' controls into the parts they steer: the source's dynamic sampling and
-    training levels (the easiest `dropped_levels` set aside), and the async staleness bound. The
-    learner's (entropy bonus, IcePop) travel with each batch."""
-    c = run.controls
-    source.dynamic_sampling = c.dynamic_sampling
-    if hasattr(source.tasks, "levels"):  # the procedural task stream (dataset tasks have no levels)
-        source.tasks.levels = {n: tuple(sorted(levels))[c.dropped_levels:] or tuple(sorted(levels))[-1:]
-                               for n, levels in run.train_levels.items()}
+def _steer(run: Run, source) -> None:
+    """Puts the responses' controls into the parts they steer: the source's submission (dynamic
+    sampling, training levels) and the async staleness bound. The learner's (entropy bonus,
+    IcePop) travel with each batch."""
+    controls = run.invariants.controls
+    source.apply_controls(controls, run.train_levels)
     if run.postprocess.max_staleness is not None:
-        run.postprocess = dataclasses.replace(run.postprocess, max_staleness=c.max_staleness)
+        run.postprocess = dataclasses.replace(run.postprocess, max_staleness=controls.max_staleness)
 
 
 def _time_for_another_iteration(run: Run, durations: list[float]) -> bool:

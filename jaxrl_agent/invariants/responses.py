@@ -100,11 +100,3 @@ def respond(base: Controls, controls: Controls, active: Mapping[str, bool], boun
             events[invariant] = RELEASED
     return c, events
 
-
-def to_dict(controls: Controls) -> dict:
-    return dataclasses.asdict(controls)
-
-
-def from_dict(d) -> Controls:
-    names = {f.name for f in dataclasses.fields(Controls)}
-    return Controls(**{k: v for k, v in dict(d).items() if k in names})

@@ -101,20 +101,6 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
     return record
 
 
-def exploration_guards(record: Mapping[str, Any], *, entropy_floor: float, distinct_solutions_floor: float
-                       ) -> dict[str, float]:
-    """Exploration collapse flags: `guard/entropy_collapse` = 1 when some environment's mean
-    sampled-token entropy is below the floor, `guard/solution_collapse` = 1 when tasks average
-    fewer distinct solutions (tool-call sequences) than the floor."""
-    flags = {}
-    entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
-    if entropies and min(entropies) < entropy_floor:
-        flags["guard/entropy_collapse"] = 1.0
-    if record.get("groups") and record["distinct_solutions"] < distinct_solutions_floor:
-        flags["guard/solution_collapse"] = 1.0
-    return flags
-
-
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The run's headline, from its metrics records (all processes of a resumed run): held-out
     success after the cold start (the last `sft_eval`, else the initial evaluation) and at the end

@@ -124,6 +124,15 @@ class RolloutSource:
     def retired_tasks(self) -> int | None:
         return self.allocator.retired_count() if self.allocator is not None else None
 
+    def apply_controls(self, controls, train_levels: Mapping[str, Sequence[int]]) -> None:
+        """Takes the invariants' responses (`invariants.Controls`) that steer submission: DAPO's
+        dynamic sampling, and the training levels less the easiest `controls.dropped_levels` (one is
+        always kept; the procedural task stream only — dataset tasks have no levels)."""
+        self.dynamic_sampling = controls.dynamic_sampling
+        if hasattr(self.tasks, "levels"):
+            self.tasks.levels = {n: tuple(sorted(levels))[controls.dropped_levels:] or tuple(sorted(levels))[-1:]
+                                 for n, levels in train_levels.items()}
+
     # ------------------------------------------------------------------ submission and selection
     def _submit(self, num_groups: int) -> None:
         if num_groups <= 0:

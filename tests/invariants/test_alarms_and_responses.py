@@ -125,3 +125,31 @@ def test_the_plot_shades_the_iterations_an_alarm_was_on():
     assert plot._alarm_spans(records, ("entropy",)) == []
     assert plot.invariants_path("/w/curves.png") == "/w/invariants.png"
     assert plot.invariants_path("/w/run.png") == "/w/run_invariants.png"
+
+
+def test_the_monitor_step_logs_each_alarm_and_response_event_once_and_its_state_round_trips():
+    from jaxrl_agent.invariants import monitor
+
+    settings = monitor.Settings(specs=(ENTROPY, GAP), base=BASE, bounds=BOUNDS, respond=True, entropy_floor=0.02)
+    state = monitor.MonitorState.initial(settings)
+    stages = []
+    for entropy in [0.01, 0.01, 0.01]:
+        record = {"invariants/exploration/entropy_min": entropy, "sampled_entropy/calculator": entropy,
+                  "invariants/drift/serve_gap_p99": 1e-6}
+        outcome = monitor.step(settings, state, record)
+        state = outcome.state
+        stages.append([(e.stage, e.record.get("event")) for e in outcome.events])
+        assert outcome.metrics["guard/entropy_collapse"] == 1.0 and outcome.warnings
+    # Fires on the second iteration below the floor; the response engages on that same iteration.
+    assert stages == [[], [("alarm", "fired"), ("response", "engaged")], []]
+    assert outcome.metrics["invariants/alarm/entropy"] == 1.0 and outcome.metrics["invariants/alarm/serve_gap"] == 0.0
+    assert outcome.metrics["controls/entropy_coef"] == pytest.approx(0.008)  # two steps of 0.004
+    assert outcome.state_line == "explore LOW | signal ok | drift ok"
+    assert monitor.MonitorState.from_dict(state.to_dict(), settings) == state
+    # A checkpoint written before the monitor existed starts it fresh; responses off move no knob.
+    assert monitor.MonitorState.from_dict({}, settings) == monitor.MonitorState.initial(settings)
+    quiet = dataclasses.replace(settings, respond=False)
+    outcome = monitor.step(quiet, monitor.MonitorState.initial(quiet), record)
+    outcome = monitor.step(quiet, outcome.state, record)
+    assert [e.stage for e in outcome.events] == ["alarm"] and outcome.state.controls == BASE
+    assert not any(k.startswith("controls/") for k in outcome.metrics)
