@@ -45,3 +45,19 @@ def tls_files(tmp_path_factory):
              "-out", "server.pem", "-days", "2", "-extfile", "san.ext", cwd=folder)
     return {"ca": str(folder / "ca.pem"), "cert": str(folder / "server.pem"), "key": str(folder / "server.key"),
             "other_ca": str(folder / "other_ca.pem")}
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory):
+    """A Qwen3 tokenizer folder on Qwen's real vocabulary with a Qwen3-style chat template."""
+    from tests import real_vocab
+
+    return real_vocab.qwen3_folder(str(tmp_path_factory.mktemp("qwen3_tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def llama31_tokenizer_dir(tmp_path_factory):
+    """A Llama-3.1-style tokenizer folder (Llama 3.1's special tokens on Qwen's vocabulary)."""
+    from tests import real_vocab
+
+    return real_vocab.llama31_folder(str(tmp_path_factory.mktemp("llama31_tokenizer")))
