@@ -24,7 +24,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.kind = "char"  # 'char' (built in, no files) or 'hf' (a tokenizer.json).
     config.tokenizer.path = ""  # tokenizer.json or its folder, for kind='hf'; '' = the checkpoint folder.
-    config.tokenizer.template = "chatml"  # Turn template: 'chatml' or 'llama3'.
+    # Turn template: 'chatml' or 'llama3' (built in), or 'model': the tokenizer folder's own Jinja
+    # chat_template (tokenizer_config.json), rendered as transformers does.
+    config.tokenizer.template = "chatml"
+    # How the policy sees tools, calls and results: 'env' (the environments' own protocol, tools
+    # in the system prompt), 'qwen3' (<tools> block, <tool_call> JSON, <tool_response> in a user
+    # turn) or 'llama3.1' (JSON calls, ipython results); the model formats need template='model'.
+    config.tokenizer.tool_format = "env"
 
     config.model = ml_collections.ConfigDict()
     config.model.architecture = "llama"  # 'llama', 'qwen2' or 'qwen3' (Hugging Face model_type).
@@ -55,6 +61,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.compute_dtype = "float32"  # Activation dtype for a loaded checkpoint.
     config.checkpoint.every = 10  # Save every N RL iterations (and after SFT, and at the end; 0 = only those).
     config.checkpoint.keep = 2  # Checkpoints kept.
+    # Also write each checkpoint's policy as a Hugging Face folder, <workdir>/hf/<step> (config,
+    # safetensors, the tokenizer's files with its chat template); any one later with
+    # `python launch/export_hf.py --workdir W [--step N] --out DIR`.
+    config.checkpoint.export_hf = False
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.data = 1  # Pure data-parallel axis size.
@@ -118,6 +128,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.max_context = 128  # Longest episode in tokens (<= learner.row_length); then context_limit.
     config.rollout.max_turns = 4  # Assistant turns per episode.
     config.rollout.include_system_prompt = False  # Prepend the tool description (long for a char model).
+    # Thinking, for a model template with the switch (Qwen3's `enable_thinking`): off renders the
+    # template's empty think block before each reply.
+    config.rollout.enable_thinking = False
+    # With thinking on: tokens a reply may spend inside its <think> block before the block is
+    # closed for it (template tokens, not trained) and it must answer (0 = no budget).
+    config.rollout.max_think_tokens = 0
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"

@@ -6,7 +6,9 @@ Run (no download: point at a folder holding config.json, *.safetensors and token
 
 The architecture, weights and tokenizer come from the folder (the `model` fields below only
 describe Qwen3-0.6B for a run without a checkpoint, e.g. throughput checks with random weights);
-turns use Qwen's ChatML template and the tool description goes in a system prompt.
+turns use the checkpoint's own chat template and Qwen3's tool format (the tools in the template's
+<tools> block, results as <tool_response> in a user turn), thinking off unless
+--config.rollout.enable_thinking=True (then --config.rollout.max_think_tokens caps each think block).
 """
 
 import importlib.util
@@ -27,7 +29,8 @@ def get_config():
     config.workdir = "runs/qwen3_0_6b_agentic"  # Where checkpoints and metrics go.
     config.tokenizer.kind = "hf"  # The checkpoint's own tokenizer.json.
     config.tokenizer.path = ""  # '' = tokenizer.json in checkpoint.hf_path.
-    config.tokenizer.template = "chatml"  # Qwen's turn format.
+    config.tokenizer.template = "model"  # The checkpoint's own chat template (tokenizer_config.json).
+    config.tokenizer.tool_format = "qwen3"  # <tools> block, <tool_call> JSON, <tool_response> in a user turn.
     config.checkpoint.hf_path = ""  # Required: the local Hugging Face folder (--config.checkpoint.hf_path=...).
     config.checkpoint.param_dtype = "bfloat16"  # Parameter dtype after loading.
     config.checkpoint.compute_dtype = "bfloat16"  # Activation dtype (logits stay float32).
@@ -53,7 +56,7 @@ def get_config():
     config.sampler.max_cache_length = 1024  # Tokens per slot.
     config.sampler.steps_per_call = 8  # Decode steps per generate call.
     config.sampler.prefix_cache_entries = 32  # ~117 MiB each in bfloat16 at this cache length.
-    config.rollout.include_system_prompt = True  # The tool description, as real agents see it.
+    config.rollout.include_system_prompt = True  # The environment's instructions (how to answer).
     config.rollout.max_tokens_per_turn = 256  # Longest assistant turn.
     config.rollout.max_context = 1024  # Longest episode (<= learner.row_length).
     config.rollout.schedule = "windowed_fifo"  # Do not wait for the slowest episode.

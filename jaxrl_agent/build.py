@@ -20,6 +20,24 @@ def build_tokenizer(config) -> tokenizer_lib.Tokenizer:
     return tokenizer_lib.make_tokenizer(kind, path or None)
 
 
+def build_template(config):
+    """The turn template of `tokenizer.template`: a built-in one ('chatml', 'llama3'), or 'model':
+    the tokenizer folder's own Jinja chat template (`chat_template.ChatTemplate`), with
+    `rollout.enable_thinking` passed as the template's switch."""
+    name = config.tokenizer.template
+    if name != "model":
+        return tokenizer_lib.make_template(name)
+    from jaxrl_agent import chat_template
+
+    path = config.tokenizer.path or config.checkpoint.hf_path
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        return chat_template.ChatTemplate.from_folder(
+            folder, options=(("enable_thinking", bool(config.rollout.enable_thinking)),))
+    except chat_template.ChatTemplateError as err:
+        raise ConfigError(f"tokenizer.template='model': {err}") from None
+
+
 def build_mesh(config) -> jax.sharding.Mesh:
     return sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor)
 
@@ -419,6 +437,19 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"and rollout.token_budget=0 (got {r.schedule!r}, {r.token_budget})")
     # The objective.
     one_of("rl.advantage", rl.advantage, ADVANTAGES)
+    from jaxrl_agent import tool_formats
+
+    tk = config.tokenizer
+    one_of("tokenizer.template", tk.template, (*sorted(tokenizer_lib.TEMPLATES), "model"))
+    one_of("tokenizer.tool_format", tk.tool_format, tuple(sorted(tool_formats.FORMATS)))
+    need(tk.template != "model" or tk.kind == "hf",
+         f"tokenizer.template='model' reads the tokenizer folder's chat_template: it needs tokenizer.kind='hf', "
+         f"not {tk.kind!r}")
+    need(config.rollout.max_think_tokens >= 0,
+         f"rollout.max_think_tokens={config.rollout.max_think_tokens}: expected >= 0 (0 = no budget)")
+    need(tk.tool_format == "env" or tk.template == "model",
+         f"tokenizer.tool_format={tk.tool_format!r} is a model's own format: it needs tokenizer.template='model' "
+         f"(the built-in {tk.template!r} template renders no tool schemas)")
     if rl.advantage == "rloo" or rl.advantage == "ploo":
         need(r.group_size >= 2, f"rl.advantage={rl.advantage!r} needs rollout.group_size >= 2 (got {r.group_size})")
     if rl.objective_fn:
@@ -748,7 +779,8 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
 
     def demonstrate(n):
         return [rollout.expert_trajectory(environments.environments[t.env], t, envs.expert_policy(t.env), tok,
-                                          template, include_system_prompt=config.rollout.include_system_prompt)
+                                          template, include_system_prompt=config.rollout.include_system_prompt,
+                                          tool_format=config.tokenizer.tool_format)
                 for t in tasks.take(n)]
 
     return data.Demonstrations(demonstrate(config.sft.num_demonstrations), fresh=demonstrate)

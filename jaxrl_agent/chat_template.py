@@ -127,6 +127,18 @@ class ChatTemplate:
         kwargs.setdefault("eos_token", _token_str(config.get("eos_token")))
         return cls(source=source, **kwargs)
 
+    def with_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> "ChatTemplate":
+        """This template rendering `tools` (function schemas); one instance per tool set, kept,
+        so its probes run once."""
+        key = json.dumps(list(tools) if tools is not None else None, sort_keys=True)
+        if key not in self._with_tools:
+            self._with_tools[key] = dataclasses.replace(self, tools=tuple(tools) if tools is not None else None)
+        return self._with_tools[key]
+
+    @functools.cached_property
+    def _with_tools(self) -> dict:
+        return {}
+
     # ---------------------------------------------------------------- text
     def render_text(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
         """The template's text for `messages` (dicts with 'role' and 'content'), as transformers renders it."""

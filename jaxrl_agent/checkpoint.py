@@ -116,6 +116,16 @@ class Checkpointer:
             return run_state
         return None
 
+    def select(self, step: int) -> RunState:
+        """Chooses checkpoint `step` (instead of the newest) for the restores; its run state.
+        Raises FileNotFoundError naming the steps there are."""
+        steps = sorted(self.manager.all_steps())
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint step {step} in {self.manager.directory}; steps: {steps}")
+        meta = self.manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))["meta"]
+        self.step = step
+        return RunState.from_dict(meta)
+
     def _set_aside(self, chosen: int) -> None:
         """Moves the unrestorable checkpoints newer than `chosen` out of the manager's folder (to
         `<workdir>/unrestorable_checkpoints/`), so the resumed run can write those steps again."""

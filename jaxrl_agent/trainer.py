@@ -116,7 +116,8 @@ class Run:
         c = self.config.rollout
         return rollout.EpisodeSettings(
             sampling=SamplingParams(temperature=temperature, max_tokens=c.max_tokens_per_turn),
-            max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns)
+            max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns,
+            tool_format=self.config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens)
 
     def evaluate(self) -> dict[str, float]:
         total = sum(len(levels) for levels, _ in self.eval_spec.levels.values())
@@ -148,6 +149,15 @@ class Run:
                 err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
             self.log("checkpoint_failed", iteration, err.record, global_step=step, console=f"error: {err}")
             raise RunStopped(str(err)) from err
+        if self.config.checkpoint.export_hf and self.writer.active:
+            from jaxrl_agent.cli import export_hf
+
+            out = os.path.join(self.writer.workdir, "hf", str(step))
+            try:
+                export_hf.write_folder(out, self.config, self.model_config, state.params)
+            except (OSError, ValueError) as err:  # the checkpoint is written; an export is a convenience
+                self.log("export_failed", iteration, {"checkpoint_step": step, "error": f"{type(err).__name__}: {err}"},
+                         global_step=step, console=f"warning: Hugging Face export of step {step} failed: {err}")
 
     def sampler_stats(self) -> dict[str, float]:
         try:
@@ -215,7 +225,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
             workdir, tensorboard=config.metrics.tensorboard, wandb_project=config.metrics.wandb_project,
             console=metrics_lib.Console(enabled=not quiet and jax.process_index() == 0,
                                         progress={"auto": None, "on": True, "off": False}[config.metrics.progress])),
-        tokenizer=tokenizer, template=tokenizer_lib.make_template(config.tokenizer.template), mesh=mesh,
+        tokenizer=tokenizer, template=build.build_template(config), mesh=mesh,
         model_config=model_config, environments=environments, sampler=sampler, servers=servers,
         buffer=replay.ReplayBuffer(vocab_size=model_config.vocab_size, max_length=config.learner.row_length),
         checkpointer=checkpointer, objective=objective,

@@ -69,4 +69,8 @@ def train_tiny_hf_tokenizer(folder):
     corpus = ["the quick brown fox jumps over the lazy dog", "Q: 17*23+5=? answer 396"] * 50
     hf.train_from_iterator(corpus, trainer)
     hf.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    from tests import real_vocab  # a Qwen3-style chat template (configs/qwen3_0_6b_agentic.py renders with it)
+
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": real_vocab.template_text("qwen3_style.jinja")}))

@@ -210,18 +210,19 @@ def test_asynchronous_schedules_with_partial_rollouts(tmp_path, schedule, extra)
 @pytest.mark.slow
 def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     """configs/qwen3_0_6b_agentic.py with a tiny random Qwen3 saved as a Hugging Face folder (config.json,
-    safetensors, tokenizer.json): HF tokenizer, ChatML turns, system prompt, SFT then RL, a few steps."""
+    safetensors) with Qwen's real vocabulary and a Qwen3-style chat template: the model's own
+    template, Qwen3's tool format, system prompt, SFT then RL, a few steps."""
     import jax
 
     from jaxrl_agent import models
-    from tests import hf_reference
+    from tests import hf_reference, real_vocab
 
     checkpoint = tmp_path / "qwen3_tiny"
     checkpoint.mkdir()
-    tiny = models.ModelConfig(architecture="qwen3", qk_norm=True, vocab_size=400, num_layers=1, hidden_size=32,
-                              intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
+    tiny = models.ModelConfig(architecture="qwen3", qk_norm=True, vocab_size=151936, num_layers=1, hidden_size=16,
+                              intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8)
     models.save_hf(str(checkpoint), tiny, models.init_params(tiny, jax.random.PRNGKey(0)))
-    hf_reference.train_tiny_hf_tokenizer(checkpoint)
+    real_vocab.qwen3_folder(str(checkpoint))
     config = config_lib.load_config(str(ROOT / "configs" / "qwen3_0_6b_agentic.py"))
     config.checkpoint.hf_path = str(checkpoint)
     config.checkpoint.param_dtype = config.checkpoint.compute_dtype = "float32"
@@ -238,6 +239,49 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
     stages = [r["stage"] for r in records]
     assert "sft_eval" in stages and stages.count("rl") == 2 and "rl_eval" in stages
+    # The run's episodes are rendered in the model's own format: Qwen3's tools block and tool responses.
+    from jaxrl_agent import build, chat_template, envs, rollout, tokenizer as tokenizer_lib
+
+    template = build.build_template(config)
+    assert isinstance(template, chat_template.ChatTemplate) and config.tokenizer.tool_format == "qwen3"
+    env = envs.make("calculator")
+    tok = tokenizer_lib.HFTokenizer.from_file(str(checkpoint))
+    demo = rollout.expert_trajectory(env, env.sample_task(0, 1), envs.expert_policy("calculator"), tok, template,
+                                     include_system_prompt=True, tool_format="qwen3")
+    assert "<tools>" in tok.decode(demo.tokens) and "<tool_response>" in tok.decode(demo.tokens)
+    # Export: launch/export_hf.py from the workdir alone; transformers loads it with our logits and
+    # our sampler's greedy tokens, with the tokenizer files and the chat template alongside.
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+    import transformers
+
+    from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams
+
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, str(ROOT / "launch" / "export_hf.py"), f"--workdir={tmp_path / 'run'}",
+                           f"--out={out}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exported checkpoint step" in done.stdout
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    ours_config, ours = models.load_hf(str(out))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    prompt = demo.tokens[:48].astype(np.int64)
+    np.testing.assert_allclose(hf_reference.hf_logits(hf_model, prompt[None])[0],
+                               np.asarray(models.forward(ours_config, ours, prompt[None].astype(np.int32)))[0],
+                               atol=1e-4, rtol=0)
+    with torch.no_grad():
+        hf_greedy = hf_model.generate(torch.as_tensor(prompt[None]), max_new_tokens=8, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = AgentEngine(ours_config, ours, tok, max_concurrent_decodes=1, max_prefill_length=64,
+                         max_cache_length=64, steps_per_call=4, stop_token_ids=[])
+    with LocalSampler(engine) as sampler:
+        (completion,) = sampler.generate_many([prompt.tolist()], SamplingParams(temperature=0.0, max_tokens=8))
+    assert list(completion.token_ids) == hf_greedy
+    exported_template = chat_template.ChatTemplate.from_folder(str(out))
+    assert exported_template.source == template.source
     assert next(r for r in records if r["stage"] == "start")["params"] == models.count_params(
         models.init_params(tiny, jax.random.PRNGKey(0)))
 

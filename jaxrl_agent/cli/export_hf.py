@@ -1,11 +1,16 @@
-"""`jaxrl-agent export-hf`: a run's latest policy as a Hugging Face folder.
+"""`jaxrl-agent export-hf` (or `python launch/export_hf.py`): a run's policy as a Hugging Face folder.
 
+  python launch/export_hf.py --workdir runs/calculator_tiny [--step N] --out exported/
   jaxrl-agent export-hf --config configs/calculator_tiny.py [--workdir runs/calculator_tiny] --out exported/
 
-Restores the parameters of the latest checkpoint in `<workdir>/checkpoints` (the config's
-`workdir` unless --workdir is given) and writes `config.json` and `model.safetensors` (sharded with
-an index past --max_shard_mb), loadable by `transformers` and by `models.load_hf`. A run that
-started from a Hugging Face folder (`checkpoint.hf_path`) also gets that folder's tokenizer files.
+Restores the parameters of a checkpoint in `<workdir>/checkpoints` (the newest that restores, or
+step N) and writes `config.json` and `model.safetensors` (sharded with an index past
+--max_shard_mb), loadable by `transformers` and by `models.load_hf`. The run's config comes from
+--config, else from `<workdir>/config.json` (the resolved config the run wrote). A run with a
+Hugging Face tokenizer also gets its tokenizer files — tokenizer.json, tokenizer_config.json (with
+the chat template), generation_config.json — from the tokenizer's folder (`tokenizer.path`, else
+`checkpoint.hf_path`). `checkpoint.export_hf=True` writes one at every save, to
+`<workdir>/hf/<step>`.
 """
 
 from __future__ import annotations
@@ -19,18 +24,55 @@ from ml_collections import config_flags
 
 from jaxrl_agent import quiet
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file (with its overrides).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file (with its overrides); default: "
+                                          "<workdir>/config.json.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (default: the config's workdir).")
+_STEP = flags.DEFINE_integer("step", None, "The checkpoint step to export (default: the newest that restores).")
 _OUT = flags.DEFINE_string("out", None, "Folder to write the Hugging Face checkpoint to.")
 _MAX_SHARD_MB = flags.DEFINE_integer("max_shard_mb", 0, "Shard the safetensors past this size (0: one file).")
-flags.mark_flags_as_required(["config", "out"])
+flags.mark_flags_as_required(["out"])
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
 
 
-def export(config, workdir: str, out: str, *, max_shard_bytes: int | None = None) -> dict:
-    """Writes the latest checkpoint's policy to `out`; returns what was written."""
+def run_config(workdir: str):
+    """The resolved config a run wrote to `<workdir>/config.json`, as a ConfigDict."""
+    import json
+
+    import ml_collections
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"workdir={workdir!r} has no config.json: pass the run's --config")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def tokenizer_folder(config) -> str:
+    """The folder of the run's Hugging Face tokenizer ('' for the built-in character tokenizer)."""
+    if config.tokenizer.kind != "hf":
+        return ""
+    path = config.tokenizer.path or config.checkpoint.hf_path
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def write_folder(out: str, config, model_config, params, *, max_shard_bytes: int | None = None) -> list[str]:
+    """`params` as a Hugging Face folder with the run's tokenizer files; the files copied."""
+    from jaxrl_agent import models
+
+    models.save_hf(out, model_config, params, max_shard_bytes=max_shard_bytes)
+    copied = []
+    source = tokenizer_folder(config)
+    for name in TOKENIZER_FILES if source else ():
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+def export(config, workdir: str, out: str, *, step: int | None = None, max_shard_bytes: int | None = None) -> dict:
+    """Writes a checkpoint's policy (the newest that restores, or `step`) to `out`; returns what was written."""
     from jaxrl_agent import build, checkpoint, models
 
     checkpoints = os.path.join(workdir, "checkpoints")
@@ -39,20 +81,17 @@ def export(config, workdir: str, out: str, *, max_shard_bytes: int | None = None
     model_config, params = build.build_model(config)
     checkpointer = checkpoint.Checkpointer(checkpoints, keep=config.checkpoint.keep)
     try:
-        run_state = checkpointer.latest()
-        if run_state is None:
-            raise FileNotFoundError(f"no checkpoint in {checkpoints} restores: {checkpointer.skipped}")
+        if step is None:
+            run_state = checkpointer.latest()
+            if run_state is None:
+                raise FileNotFoundError(f"no checkpoint in {checkpoints} restores: {checkpointer.skipped}")
+        else:
+            run_state = checkpointer.select(step)
         params = checkpointer.restore_params(params)
         step = checkpointer.step
     finally:
         checkpointer.close()
-    models.save_hf(out, model_config, params, max_shard_bytes=max_shard_bytes)
-    copied = []
-    source = config.checkpoint.hf_path
-    for name in TOKENIZER_FILES if source else ():
-        if os.path.exists(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), os.path.join(out, name))
-            copied.append(name)
+    copied = write_folder(out, config, model_config, params, max_shard_bytes=max_shard_bytes)
     return {"out": out, "step": step, "stage": run_state.stage if run_state else None,
             "version": run_state.version if run_state else None, "params": models.count_params(params),
             "tokenizer_files": copied}
@@ -61,9 +100,13 @@ def export(config, workdir: str, out: str, *, max_shard_bytes: int | None = None
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines per restored array
-    config = _CONFIG.value
     try:
-        written = export(config, _WORKDIR.value or config.workdir, _OUT.value,
+        config = _CONFIG.value
+        if config is None:
+            if not _WORKDIR.value:
+                raise FileNotFoundError("pass --workdir (its config.json is the run's config) or --config")
+            config = run_config(_WORKDIR.value)
+        written = export(config, _WORKDIR.value or config.workdir, _OUT.value, step=_STEP.value,
                          max_shard_bytes=_MAX_SHARD_MB.value * 2**20 or None)
     except (FileNotFoundError, ValueError) as err:  # no checkpoint; shapes that are not the config's model
         sys.exit(f"error: {err}")

@@ -68,12 +68,20 @@ class Observation:
     text: str
     role: str = "tool"
     system: str | None = None
+    # Reset only, for policies that see tools in their model's own format (`tool_formats`): the
+    # tools as {"name", "description", "parameters"} dicts, and the system prompt's instructions
+    # without the protocol's tool description (how to answer).
+    tools: tuple | None = None
+    instructions: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Observation":
+        d = dict(d)
+        if d.get("tools") is not None:
+            d["tools"] = tuple(dict(t) for t in d["tools"])
         return cls(**d)
 
 
@@ -173,8 +181,12 @@ class ToolEnvironment(Environment):
         return (
             f"You can call tools. Tools:\n{specs}\nCall one with {tp.CALL_OPEN}"
             f'{{"name":...,"arguments":{{...}}}}{tp.CALL_CLOSE}; results come back in '
-            f"{tp.RESULT_OPEN}...{tp.RESULT_CLOSE}. Give the final answer as {tp.ANSWER_OPEN}...{tp.ANSWER_CLOSE}."
+            f"{tp.RESULT_OPEN}...{tp.RESULT_CLOSE}. {self.instructions()}"
         )
+
+    def instructions(self) -> str:
+        """What the system prompt says beyond the tools: how to give the answer."""
+        return f"Give the final answer as {tp.ANSWER_OPEN}...{tp.ANSWER_CLOSE}."
 
     def reset(self, task: Task, seed: int = 0) -> Observation:
         if task.env != self.name:
@@ -186,7 +198,8 @@ class ToolEnvironment(Environment):
         self._calls: list[str] = []
         self._done = False
         self.start_episode(task, seed)
-        return Observation(text=task.prompt, role="user", system=self.system_prompt())
+        return Observation(text=task.prompt, role="user", system=self.system_prompt(),
+                           tools=tuple(t.to_dict() for t in self.tools()), instructions=self.instructions())
 
     def _finish(self, answer: str | None, finish_reason: str, observation_text: str) -> Step:
         correct = answer is not None and self._safe_verify(answer)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxrl_agent import tool_formats
 from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.replay.trajectory import Trajectory
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
@@ -119,6 +120,37 @@ class EpisodeSettings:
     max_context: int  # tokens in the whole episode
     include_system_prompt: bool = False
     max_turns: int = 8
+    tool_format: str = "env"  # how the policy sees tools, calls and results (`tool_formats`)
+    # A thinking model's budget per turn: once a reply has spent this many tokens inside its
+    # <think> block, the block is closed for it (template tokens, not trained) and it answers.
+    max_think_tokens: int = 0  # 0 = no budget
+
+
+def _still_thinking(text: str) -> bool | None:
+    """Whether a reply so far is inside its think block: True, False (it closed one or never
+    opened one), or None (too short to tell)."""
+    head = text.lstrip()
+    if tool_formats.THINK_CLOSE in text:
+        return False
+    if head.startswith(tool_formats.THINK_OPEN):
+        return True
+    return None if tool_formats.THINK_OPEN.startswith(head) else False
+
+
+def first_messages(first: env_api.Observation, template, fmt: tool_formats.ToolFormat, *,
+                   include_system_prompt: bool):
+    """(messages, template) of an episode's first turn in the policy's tool format: the system
+    message when asked for, the task, and a template that renders the format's tool schemas
+    (a model's own chat template; the built-in ones take no tools)."""
+    messages = []
+    system = fmt.system(first.system, first.instructions)
+    if include_system_prompt and system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": first.role, "content": first.text})
+    schemas = fmt.schemas(first.tools or ())
+    if schemas is not None and hasattr(template, "with_tools"):
+        template = template.with_tools(schemas)
+    return messages, template
 
 
 async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: Tokenizer, template: TurnTemplate,
@@ -140,26 +172,44 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                           policy_version=empty, reward=0.0, reward_components={"success": 0.0},
                           group_id=group_id, sample_index=sample_index, env=task.env, task_id=task.id,
                           finish_reason="env_reset_error", turns=[{"error": repr(err)}])
-    messages = []
-    if settings.include_system_prompt and first.system:
-        messages.append({"role": "system", "content": first.system})
-    messages.append({"role": first.role, "content": first.text})
+    fmt = tool_formats.get(settings.tool_format)
+    messages, template = first_messages(first, template, fmt, include_system_prompt=settings.include_system_prompt)
     rendered = template.render(messages, tokenizer, add_generation_prompt=True)
     tokens = list(rendered.ids)
     mask = [0] * len(tokens)
     logprobs = [0.0] * len(tokens)
     versions = [-1] * len(tokens)
     end_ids = template.end_ids(tokenizer)
+    think_budget = settings.max_think_tokens
+    close_think = tokenizer.encode(f"\n{tool_formats.THINK_CLOSE}\n\n") if think_budget > 0 else []
     turns: list[dict[str, Any]] = []
     reward, components, finish_reason, success = 0.0, {}, "max_turns", False
     for _ in range(settings.max_turns):
-        ids: list[int] = []  # this turn's sampled ids, possibly over several sampler calls
+        ids: list[int] = []  # this turn's ids, possibly over several sampler calls (and a think block's close)
         started = time.perf_counter()
-        sampler_calls, cut = 0, False
+        sampler_calls, cut, closed_think = 0, False, 0
+        thinking: bool | None = None if think_budget > 0 else False
         while True:
-            room = min(settings.sampling.max_tokens - len(ids), settings.max_context - len(tokens))
+            full_room = min(settings.sampling.max_tokens - len(ids), settings.max_context - len(tokens))
+            room = full_room
             if room <= 0:
                 break
+            if thinking is not False:
+                thinking = _still_thinking(tokenizer.decode(ids)) if ids else None
+                if thinking is not False and len(ids) >= think_budget:
+                    if len(tokens) + len(close_think) >= settings.max_context:
+                        cut = True
+                        break
+                    # The budget is spent inside the block: close it for the policy, then let it answer.
+                    ids += close_think
+                    tokens += close_think
+                    mask += [0] * len(close_think)
+                    logprobs += [0.0] * len(close_think)
+                    versions += [-1] * len(close_think)
+                    closed_think, thinking = 1, False
+                    continue
+                if thinking is not False:
+                    room = min(room, think_budget - len(ids))
             wanted = room if budget is None else await budget.grant(room)
             try:
                 completion = await sampler.generate(
@@ -176,9 +226,9 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
             mask += [1] * len(new)
             logprobs += list(completion.logprobs)
             versions += list(completion.versions)
-            # Cut by this iteration's token budget (not by the turn's or the context's limit):
-            # resume the same turn with the next call.
-            if not (completion.finish_reason == "length" and wanted < room):
+            # Cut by this iteration's token budget or the think budget (not by the turn's or the
+            # context's limit): resume the same turn with the next call.
+            if not (completion.finish_reason == "length" and wanted < full_room):
                 break
         if not ids:
             finish_reason = "context_limit"
@@ -187,17 +237,19 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         if cut and not ended:
             finish_reason = "context_limit"
             break
-        action = tokenizer.decode(ids[:-len(end_ids)] if ended else ids)
+        action = fmt.to_env(tokenizer.decode(ids[:-len(end_ids)] if ended else ids))
         step = await env.step(action)
-        turns.append({"sampled_tokens": len(ids), "sample_seconds": time.perf_counter() - started,
-                      "sampler_calls": sampler_calls, "finish_reason": completion.finish_reason})
+        turns.append({"sampled_tokens": len(ids) - closed_think * len(close_think),
+                      "sample_seconds": time.perf_counter() - started, "sampler_calls": sampler_calls,
+                      "finish_reason": completion.finish_reason,
+                      **({"think_closed_by_budget": True} if closed_think else {})})
         if step.done:
             reward = float(step.reward)
             components = dict(step.info.get("reward_components", {}))
             finish_reason = step.info.get("finish_reason", "answer")
             success = bool(step.info.get("success", False))
             break
-        continuation = template.continuation_ids(step.observation.role, step.observation.text, tokenizer,
+        continuation = template.continuation_ids(step.observation.role, fmt.result(step.observation.text), tokenizer,
                                                  close_assistant=not ended)
         if len(tokens) + len(continuation) >= settings.max_context:
             finish_reason = "context_limit"
@@ -216,27 +268,27 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
 
 
 def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,
-                      template: TurnTemplate, *, include_system_prompt: bool = False, seed: int = 0) -> Trajectory:
-    """A scripted-expert episode rendered exactly as a sampled one would be (SFT data)."""
+                      template: TurnTemplate, *, include_system_prompt: bool = False, seed: int = 0,
+                      tool_format: str = "env") -> Trajectory:
+    """A scripted-expert episode rendered exactly as a sampled one would be (SFT data); the
+    expert's protocol actions are written in the policy's tool format."""
+    fmt = tool_formats.get(tool_format)
     first = env.reset(task, seed)
-    messages = []
-    if include_system_prompt and first.system:
-        messages.append({"role": "system", "content": first.system})
-    messages.append({"role": first.role, "content": first.text})
+    messages, template = first_messages(first, template, fmt, include_system_prompt=include_system_prompt)
     tokens = list(template.render(messages, tokenizer, add_generation_prompt=True).ids)
     mask = [0] * len(tokens)
     observations, actions = [first.text], []
     while True:
         action = expert(task, observations, actions)
         actions.append(action)
-        ids = tokenizer.encode(action) + template.end_ids(tokenizer)
+        ids = tokenizer.encode(fmt.from_env(action)) + template.end_ids(tokenizer)
         tokens += ids
         mask += [1] * len(ids)
         step = env.step(action)
         observations.append(step.observation.text)
         if step.done:
             break
-        continuation = template.continuation_ids(step.observation.role, step.observation.text, tokenizer,
+        continuation = template.continuation_ids(step.observation.role, fmt.result(step.observation.text), tokenizer,
                                                  close_assistant=False)
         tokens += continuation
         mask += [0] * len(continuation)
