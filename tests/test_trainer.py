@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import pathlib
+import re
 
 import pytest
 
@@ -411,3 +412,40 @@ def test_until_mixed_sampling_spends_the_iteration_budget_in_rounds(tmp_path):
     config.rollout.schedule = "async"
     with pytest.raises(ValueError, match="until_mixed.*needs rollout.schedule='sync'"):
         build.validate_config(config)
+
+
+def test_export_at_every_save_writes_a_hugging_face_folder_of_that_checkpoint(tmp_path):
+    """checkpoint.export_hf: each save (after SFT, each `checkpoint.every`, the end) also writes
+    <workdir>/hf/<step>, whose weights are that checkpoint's (the last one equals the export of the
+    newest checkpoint by launch/export_hf.py's function, and the SFT one differs from it)."""
+    import numpy as np
+
+    from jaxrl_agent import models
+    from jaxrl_agent.cli import export_hf
+
+    config = tiny_config(tmp_path / "run")
+    config.checkpoint.export_hf = True
+    config.checkpoint.every = 0
+    config.eval.every = 0
+    config.metrics.tensorboard = False
+    trainer.train_and_evaluate(config, quiet=True)
+    steps = sorted(int(p.name) for p in (tmp_path / "run" / "hf").iterdir())
+    assert steps == [config.sft.steps, config.sft.steps + config.rl.iterations]
+    export_hf.export(config, str(tmp_path / "run"), str(tmp_path / "latest"))
+    _, latest = models.load_hf(str(tmp_path / "latest"))
+    _, at_end = models.load_hf(str(tmp_path / "run" / "hf" / str(steps[-1])))
+    _, after_sft = models.load_hf(str(tmp_path / "run" / "hf" / str(steps[0])))
+    import jax
+
+    for a, b, c in zip(jax.tree.leaves(latest), jax.tree.leaves(at_end), jax.tree.leaves(after_sft)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(np.asarray(b), np.asarray(c))
+               for b, c in zip(jax.tree.leaves(at_end), jax.tree.leaves(after_sft)))
+    # --step picks an older checkpoint; a step that is not there is named with the ones that are.
+    written = export_hf.export(config, str(tmp_path / "run"), str(tmp_path / "sft"), step=steps[0])
+    assert written["step"] == steps[0] and written["stage"] == "sft_done"
+    _, exported_sft = models.load_hf(str(tmp_path / "sft"))
+    for a, c in zip(jax.tree.leaves(exported_sft), jax.tree.leaves(after_sft)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    with pytest.raises(FileNotFoundError, match=re.escape(f"; steps: {steps}")):
+        export_hf.export(config, str(tmp_path / "run"), str(tmp_path / "none"), step=999)
