@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.workdir = "runs/hf_model"  # Where checkpoints and metrics go.
     config.tokenizer.kind = "hf"  # The checkpoint's own tokenizer.json.
     config.tokenizer.path = ""  # '' = tokenizer.json in checkpoint.hf_path.
+    config.tokenizer.template = "model"  # The checkpoint's own chat template (tokenizer_config.json).
     config.checkpoint.param_dtype = "bfloat16"  # Parameter dtype after loading.
     config.checkpoint.compute_dtype = "bfloat16"  # Activation dtype (logits stay float32).
     config.smoke.seq_len = 64  # Tokens per row in the forward-pass check.

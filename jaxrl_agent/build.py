@@ -63,12 +63,33 @@ def build_model(config, mesh: jax.sharding.Mesh | None = None) -> tuple[models.M
     return model_config, params
 
 
+def stop_token_ids(config, tok: tokenizer_lib.Tokenizer) -> tuple[int, ...]:
+    """Ids that end a sample: the turn template's end marker (when it is one token), the
+    tokenizer's eos, and the checkpoint's `generation_config.json` `eos_token_id` (an id or a
+    list; Qwen3 lists <|im_end|> and <|endoftext|>) from the tokenizer's folder."""
+    import json
+
+    ids = []
+    end = build_template(config).end_ids(tok)
+    if len(end) == 1:
+        ids.append(end[0])
+    ids.append(tok.eos_id)
+    path = config.tokenizer.path or (config.checkpoint.hf_path if config.tokenizer.kind == "hf" else "")
+    folder = path if not path or os.path.isdir(path) else os.path.dirname(path)
+    generation_file = os.path.join(folder, "generation_config.json") if folder else ""
+    if generation_file and os.path.exists(generation_file):
+        with open(generation_file) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 def build_engine(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *, version: int = 0):
     """The JetStream engine for the sampler section of the config."""
     from jaxrl_agent.sampling.engine import AgentEngine
 
     return AgentEngine(
-        model_config, params, tok,
+        model_config, params, tok, stop_token_ids=stop_token_ids(config, tok),
         max_concurrent_decodes=config.sampler.max_concurrent_decodes,
         max_prefill_length=config.sampler.max_prefill_length,
         max_cache_length=config.sampler.max_cache_length,
@@ -447,6 +468,10 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"not {tk.kind!r}")
     need(config.rollout.max_think_tokens >= 0,
          f"rollout.max_think_tokens={config.rollout.max_think_tokens}: expected >= 0 (0 = no budget)")
+    need(tk.template == "model" or tk.kind == "char",
+         f"tokenizer.template={tk.template!r} is a built-in template for the character tokenizer; a Hugging Face "
+         "tokenizer renders turns with its model's own chat template: set tokenizer.template='model' (its "
+         "tokenizer_config.json needs a chat_template)")
     need(tk.tool_format == "env" or tk.template == "model",
          f"tokenizer.tool_format={tk.tool_format!r} is a model's own format: it needs tokenizer.template='model' "
          f"(the built-in {tk.template!r} template renders no tool schemas)")

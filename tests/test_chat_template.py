@@ -136,3 +136,19 @@ def test_templates_that_cannot_be_segmented_are_named_in_the_error(qwen3_tokeniz
         broken.render_text([{"role": "user", "content": "hi"}])
     with pytest.raises(chat_template.ChatTemplateError, match="no chat_template in"):
         chat_template.ChatTemplate.from_folder(str(qwen3_tokenizer_dir) + "/missing")
+
+
+def test_stop_ids_come_from_the_template_the_tokenizer_and_generation_config(qwen3_tokenizer_dir):
+    import pathlib
+
+    from jaxrl_agent import build, config_lib
+
+    configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
+    config = config_lib.load_config(str(configs / "qwen3_0_6b_agentic.py"))
+    config.checkpoint.hf_path = str(qwen3_tokenizer_dir)
+    tok = build.build_tokenizer(config)
+    assert build.stop_token_ids(config, tok) == (151645, 151643)  # <|im_end|>, then <|endoftext|>
+    # The tiny default: the character tokenizer's eos, which is also ChatML's end marker here.
+    tiny = config_lib.load_config(str(configs / "calculator_tiny.py"))
+    char = build.build_tokenizer(tiny)
+    assert build.stop_token_ids(tiny, char) == (char.eos_id,)

@@ -52,6 +52,15 @@ def _records(path):
     ("env.kwargs", "[1, 2]", r"env.kwargs='\[1, 2\]': expected a JSON object"),
     ("reward.weights", "correctness", r"reward.weights='correctness': expected 'name:weight"),
     ("reward.fn", "no_such_module_xyz:f", r"reward.fn='no_such_module_xyz:f': cannot import"),
+    ("tokenizer.template", "alpaca", r"tokenizer.template='alpaca': expected one of \('chatml', 'llama3', 'model'\)"),
+    ("tokenizer.template", "model", r"tokenizer.template='model' reads the tokenizer folder's chat_template: it "
+                                    r"needs tokenizer.kind='hf'"),
+    ("tokenizer.tool_format", "qwen3", r"tokenizer.tool_format='qwen3' is a model's own format: it needs "
+                                       r"tokenizer.template='model'"),
+    ("tokenizer.tool_format", "hermes", r"tokenizer.tool_format='hermes': expected one of \('env', 'llama3.1', "
+                                        r"'qwen3'\)"),
+    ("tokenizer.kind", "hf", r"tokenizer.template='chatml' is a built-in template for the character tokenizer"),
+    ("rollout.max_think_tokens", -1, r"rollout.max_think_tokens=-1: expected >= 0"),
 ])
 def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, message):
     config = tiny_config(tmp_path)
