@@ -124,6 +124,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.prompts_per_iteration = 64  # Tasks per RL iteration (64 tasks x 4 samples learned fastest on 2 cores).
     config.rollout.group_size = 4  # Episodes per task; advantages are relative within the group.
     config.rollout.temperature = 1.0  # Sampling temperature (0.7 learned worse in the notes).
+    # Truncated sampling (Qwen3's generation_config suggests top_k 20, top_p 0.95): log-probs are
+    # recorded under the truncated distribution, so the learner's correction and the drift
+    # measures see the truncation as train/serve mismatch. 0 and 1 = off.
+    config.rollout.top_k = 0
+    config.rollout.top_p = 1.0
     config.rollout.max_tokens_per_turn = 64  # Longest assistant turn, in tokens.
     config.rollout.max_context = 128  # Longest episode in tokens (<= learner.row_length); then context_limit.
     config.rollout.max_turns = 4  # Assistant turns per episode.

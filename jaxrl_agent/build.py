@@ -38,6 +38,22 @@ def build_template(config):
         raise ConfigError(f"tokenizer.template='model': {err}") from None
 
 
+def episode_settings(config, temperature: float):
+    """How episodes are sampled and shown to the policy (`rollout.EpisodeSettings`): at
+    `temperature` (0 = greedy, for evaluation) with `rollout.top_k` / `rollout.top_p` (the sampler
+    records log-probs of the truncated distribution it drew from, so the learner's correction sees
+    the truncation), the context and turn limits, the tool format and the think budget."""
+    from jaxrl_agent import rollout
+    from jaxrl_agent.sampling.types import SamplingParams
+
+    c = config.rollout
+    return rollout.EpisodeSettings(
+        sampling=SamplingParams(temperature=temperature, max_tokens=c.max_tokens_per_turn, top_k=c.top_k,
+                                top_p=c.top_p),
+        max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns,
+        tool_format=config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens)
+
+
 def build_mesh(config) -> jax.sharding.Mesh:
     return sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor)
 
@@ -466,6 +482,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(tk.template != "model" or tk.kind == "hf",
          f"tokenizer.template='model' reads the tokenizer folder's chat_template: it needs tokenizer.kind='hf', "
          f"not {tk.kind!r}")
+    need(config.rollout.top_k >= 0, f"rollout.top_k={config.rollout.top_k}: expected >= 0 (0 = off)")
+    need(0.0 < config.rollout.top_p <= 1.0, f"rollout.top_p={config.rollout.top_p}: expected in (0, 1] (1 = off)")
     need(config.rollout.max_think_tokens >= 0,
          f"rollout.max_think_tokens={config.rollout.max_think_tokens}: expected >= 0 (0 = no budget)")
     need(tk.template == "model" or tk.kind == "char",

@@ -36,7 +36,6 @@ from jaxrl_agent import (build, checkpoint, evaluation, invariants, learner, los
                          sharding)
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
-from jaxrl_agent.sampling import SamplingParams
 
 # Demonstration tasks use their own seed range: disjoint from RL's task stream (0, 1, ...) and from
 # the held-out evaluation seeds (envs.HELD_OUT_SEED_OFFSET + i).
@@ -113,11 +112,7 @@ class Run:
         return time.monotonic() - self.started
 
     def episode_settings(self, temperature: float) -> rollout.EpisodeSettings:
-        c = self.config.rollout
-        return rollout.EpisodeSettings(
-            sampling=SamplingParams(temperature=temperature, max_tokens=c.max_tokens_per_turn),
-            max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns,
-            tool_format=self.config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens)
+        return build.episode_settings(self.config, temperature)
 
     def evaluate(self) -> dict[str, float]:
         total = sum(len(levels) for levels, _ in self.eval_spec.levels.values())

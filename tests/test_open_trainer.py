@@ -61,6 +61,8 @@ def _records(path):
                                         r"'qwen3'\)"),
     ("tokenizer.kind", "hf", r"tokenizer.template='chatml' is a built-in template for the character tokenizer"),
     ("rollout.max_think_tokens", -1, r"rollout.max_think_tokens=-1: expected >= 0"),
+    ("rollout.top_k", -1, r"rollout.top_k=-1: expected >= 0"),
+    ("rollout.top_p", 0.0, r"rollout.top_p=0.0: expected in \(0, 1\]"),
 ])
 def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, message):
     config = tiny_config(tmp_path)
@@ -406,3 +408,12 @@ def test_env_kwargs_reach_the_environments_in_the_pool(tmp_path):
     stepped = rl["rollouts"] - rl["finish_reasons"].get("context_limit", 0)
     assert stepped > 0 and rl["reward/efficiency"] * rl["rollouts"] == pytest.approx(-stepped)
     assert set(rl["finish_reasons"]) <= {"answer", "max_turns", "context_limit"}
+
+
+def test_episode_settings_carry_the_rollout_sampling_and_format_keys(tmp_path):
+    config = tiny_config(tmp_path)
+    config.rollout.top_k, config.rollout.top_p, config.rollout.max_think_tokens = 20, 0.95, 64
+    settings = build.episode_settings(config, 0.7)
+    assert (settings.sampling.temperature, settings.sampling.top_k, settings.sampling.top_p) == (0.7, 20, 0.95)
+    assert settings.max_think_tokens == 64 and settings.tool_format == "env"
+    assert settings.sampling.max_tokens == config.rollout.max_tokens_per_turn
