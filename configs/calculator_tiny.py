@@ -127,8 +127,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Truncated sampling (Qwen3's generation_config suggests top_k 20, top_p 0.95): log-probs are
     # recorded under the truncated distribution, so the learner's correction and the drift
     # measures see the truncation as train/serve mismatch. 0 and 1 = off.
-    config.rollout.top_k = 0
-    config.rollout.top_p = 1.0
+    config.rollout.top_k = 0  # Keep the k likeliest tokens (0 = off).
+    config.rollout.top_p = 1.0  # Keep the smallest set with this much mass (1 = off).
     config.rollout.max_tokens_per_turn = 64  # Longest assistant turn, in tokens.
     config.rollout.max_context = 128  # Longest episode in tokens (<= learner.row_length); then context_limit.
     config.rollout.max_turns = 4  # Assistant turns per episode.
