@@ -67,6 +67,7 @@ def test_responses_engage_within_their_bounds_and_reach_the_parts_they_steer(tmp
     config.invariants.signal_floor, config.invariants.signal_release = 1.01, 1.02  # always "no signal"
     config.invariants.fire_after = 1
     config.invariants.entropy_coef_step, config.invariants.entropy_coef_max = 0.004, 0.01
+    config.invariants.max_dropped_levels = 1  # the curriculum too (off by default)
     records = _records(trainer.train_and_evaluate(config, quiet=True))
     rl = [r for r in records if r["stage"] == "rl"]
     # The bonus the learner applied lags the controller by one iteration (decided after the metrics).
