@@ -186,6 +186,26 @@ class ChatTemplate:
     def end(self) -> str:
         return self._probe[1]
 
+    def rewritten_history(self) -> str | None:
+        """Whether the template re-renders earlier turns differently from how they were sampled:
+        None when an episode's append-only tokens (prompt, reply, continuation, ...) equal the
+        template's rendering of the whole history; else a short description of the difference
+        (Qwen3 with thinking off drops the empty think block of earlier replies). Episodes are
+        built append-only, so the learner always trains on what the sampler conditioned on; where
+        the template rewrites history, a deployment that re-renders each turn shows the model a
+        different context than training did."""
+        thinking = dict(self.options).get("enable_thinking") is True
+        reply = ("<think>\n" + _PROBE_ASSISTANT + "\n</think>\n\n" if thinking else "") + _PROBE_ASSISTANT
+        user = {"role": "user", "content": _PROBE_USER}
+        sampled = self.render_text([user], add_generation_prompt=True) + reply + self.end
+        rendered = self.render_text([user, {"role": "assistant", "content": reply},
+                                     {"role": "tool", "content": _PROBE_RESULT}], add_generation_prompt=True)
+        if rendered.startswith(sampled):
+            return None
+        at = _common_prefix(rendered, sampled)
+        return (f"after a reply, the template renders {rendered[at:at + 40]!r} where the sampler saw "
+                f"{sampled[at:at + 40]!r}")
+
     # ---------------------------------------------------------------- the TurnTemplate interface
     def end_ids(self, tokenizer: Tokenizer) -> list[int]:
         return tokenizer.encode(self.end)

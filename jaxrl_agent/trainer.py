@@ -478,10 +478,16 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
     run = build_run(config, workdir, quiet=quiet, objective=objective, reward_fn=reward_fn)
     try:
         run.writer.write_config(config)
+        rewritten = run.template.rewritten_history() if hasattr(run.template, "rewritten_history") else None
         run.log("start", 0, {"params": models.count_params(run.params), "devices": jax.device_count(),
                              "processes": jax.process_count(), "objective": run.objective.name,
-                             "environments": ",".join(run.environments.environments)},
+                             "environments": ",".join(run.environments.environments),
+                             **({"template_rewrites_history": rewritten} if rewritten else {})},
                 global_step=0 if run.resume is None else config.sft.steps + run.resume.iteration)
+        if rewritten:
+            run.writer.say(f"warning: chat template {run.template.name} rewrites earlier turns ({rewritten}): episodes "
+                           "train on what the sampler saw, but a deployment that re-renders the history shows the "
+                           "model a different context")
         for step, reason in run.skipped_checkpoints:
             run.log("checkpoint_skipped", step - config.sft.steps, {"checkpoint_step": step, "error": reason},
                     global_step=step, console=f"warning: checkpoint step {step} does not restore ({reason}); resuming "

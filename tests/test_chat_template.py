@@ -152,3 +152,13 @@ def test_stop_ids_come_from_the_template_the_tokenizer_and_generation_config(qwe
     tiny = config_lib.load_config(str(configs / "calculator_tiny.py"))
     char = build.build_tokenizer(tiny)
     assert build.stop_token_ids(tiny, char) == (char.eos_id,)
+
+
+def test_templates_that_rewrite_earlier_turns_are_detected(qwen3_tokenizer_dir, llama31_tokenizer_dir):
+    # Thinking off: the generation prompt's empty think block is gone from the re-rendered history.
+    off = chat_template.ChatTemplate.from_folder(qwen3_tokenizer_dir, tools=TOOLS,
+                                                 options=(("enable_thinking", False),))
+    assert "<think>" in off.rewritten_history()
+    on = chat_template.ChatTemplate.from_folder(qwen3_tokenizer_dir, options=(("enable_thinking", True),))
+    assert on.rewritten_history() is None  # think blocks after the query are kept
+    assert chat_template.ChatTemplate.from_folder(llama31_tokenizer_dir).rewritten_history() is None

@@ -283,6 +283,8 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     assert list(completion.token_ids) == hf_greedy
     exported_template = chat_template.ChatTemplate.from_folder(str(out))
     assert exported_template.source == template.source
+    # Qwen3 with thinking off drops earlier replies' empty think blocks when it re-renders: the run says so.
+    assert "<think>" in next(r for r in records if r["stage"] == "start")["template_rewrites_history"]
     assert next(r for r in records if r["stage"] == "start")["params"] == models.count_params(
         models.init_params(tiny, jax.random.PRNGKey(0)))
 
