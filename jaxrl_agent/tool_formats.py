@@ -75,14 +75,23 @@ class ToolFormat:
         return text
 
 
-class Qwen3Format(ToolFormat):
-    name = "qwen3"
+class _ModelFormat(ToolFormat):
+    """What the model formats share: OpenAI-style schemas for the template's tools block, the
+    environment's instructions (not its protocol's tool description) as the system message, and
+    results unwrapped for the template's tool role."""
 
     def schemas(self, tools):
         return [{"type": "function", "function": dict(t)} for t in tools]
 
     def system(self, system, instructions):
         return instructions
+
+    def result(self, text):
+        return _unwrap_result(text)
+
+
+class Qwen3Format(_ModelFormat):
+    name = "qwen3"
 
     def to_env(self, text):
         # Qwen3's calls are the protocol's tags around JSON (with newlines, which JSON ignores).
@@ -95,19 +104,10 @@ class Qwen3Format(ToolFormat):
         return "\n".join(tp.CALL_OPEN + "\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n"
                          + tp.CALL_CLOSE for n, a in calls)
 
-    def result(self, text):
-        return _unwrap_result(text)
 
-
-class Llama31Format(ToolFormat):
+class Llama31Format(_ModelFormat):
     name = "llama3.1"
     PYTHON_TAG = "<|python_tag|>"
-
-    def schemas(self, tools):
-        return [{"type": "function", "function": dict(t)} for t in tools]
-
-    def system(self, system, instructions):
-        return instructions
 
     def to_env(self, text):
         reply = strip_reasoning(text)
@@ -132,9 +132,6 @@ class Llama31Format(ToolFormat):
             return action
         name, arguments = calls[0]
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
-
-    def result(self, text):
-        return _unwrap_result(text)
 
 
 FORMATS = {f.name: f for f in (ToolFormat(), Qwen3Format(), Llama31Format())}
