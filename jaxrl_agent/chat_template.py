@@ -219,16 +219,21 @@ class ChatTemplate:
         it, then a `role` message with `content` (a 'tool' result in the model's own form: Qwen3
         wraps it in `<tool_response>` in a user turn, Llama 3.1 in an `ipython` turn) and the next
         generation prompt."""
-        user = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        text = self.render_text(user + [{"role": role, "content": _PROBE_RESULT}], add_generation_prompt=True)
-        start = text.find(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT) + len(self.end)
-        piece = text[start:]
-        if piece.count(_PROBE_RESULT) != 1:
-            raise ChatTemplateError(f"chat template {self.name}: a {role!r} message's content appears "
-                                    f"{piece.count(_PROBE_RESULT)} times in its rendering; expected once")
-        before, after = piece.split(_PROBE_RESULT)
+        if role not in self._continuations:  # probed once per role
+            user = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
+            text = self.render_text(user + [{"role": role, "content": _PROBE_RESULT}], add_generation_prompt=True)
+            piece = text[text.find(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT) + len(self.end):]
+            if piece.count(_PROBE_RESULT) != 1:
+                raise ChatTemplateError(f"chat template {self.name}: a {role!r} message's content appears "
+                                        f"{piece.count(_PROBE_RESULT)} times in its rendering; expected once")
+            self._continuations[role] = tuple(piece.split(_PROBE_RESULT))
+        before, after = self._continuations[role]
         ids = self.end_ids(tokenizer) if close_assistant else []
         return ids + tokenizer.encode(before) + tokenizer.encode(content) + tokenizer.encode(after)
+
+    @functools.cached_property
+    def _continuations(self) -> dict:
+        return {}
 
     def render(self, messages: Sequence[Message | Mapping[str, Any]], tokenizer: Tokenizer, *,
                add_generation_prompt: bool = False) -> RenderedTurns:
