@@ -284,6 +284,10 @@ def get_config() -> ml_collections.ConfigDict:
     # cores). Real vocabularies (the HF configs) turn it on.
     config.learner.target_multiple = 0
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
+    # Mixed precision: 'float32' keeps float32 master weights and optimizer moments for bfloat16
+    # parameters (updates below bfloat16's resolution accumulate there; the parameters, used by the
+    # forward pass and the sampler, are their cast). '' = the optimizer updates the parameters.
+    config.learner.master_dtype = ""
     # Stop the run after this many learner updates in a row were skipped as non-finite (0 = never).
     config.learner.max_consecutive_skips = 5
 

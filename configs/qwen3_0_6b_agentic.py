@@ -34,6 +34,7 @@ def get_config():
     config.checkpoint.hf_path = ""  # Required: the local Hugging Face folder (--config.checkpoint.hf_path=...).
     config.checkpoint.param_dtype = "bfloat16"  # Parameter dtype after loading.
     config.checkpoint.compute_dtype = "bfloat16"  # Activation dtype (logits stay float32).
+    config.learner.master_dtype = "float32"  # float32 master weights and AdamW moments (lr 1e-6 is below bf16's step).
     config.checkpoint.every = 20  # Save every N RL iterations.
     # Qwen3-0.6B's shape (used only without a checkpoint).
     config.model.architecture = "qwen3"  # Hugging Face model_type.

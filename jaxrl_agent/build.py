@@ -482,6 +482,7 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(tk.template != "model" or tk.kind == "hf",
          f"tokenizer.template='model' reads the tokenizer folder's chat_template: it needs tokenizer.kind='hf', "
          f"not {tk.kind!r}")
+    one_of("learner.master_dtype", config.learner.master_dtype, ("", "float32"))
     need(config.rollout.top_k >= 0, f"rollout.top_k={config.rollout.top_k}: expected >= 0 (0 = off)")
     need(0.0 < config.rollout.top_p <= 1.0, f"rollout.top_p={config.rollout.top_p}: expected in (0, 1] (1 = off)")
     need(config.rollout.max_think_tokens >= 0,
@@ -778,7 +779,8 @@ def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.M
     total = c.steps if sft else c.iterations * c.minibatches
     optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps, total_steps=total,
                                        grad_clip_norm=config.learner.grad_clip_norm)
-    state = learner.init_state(params, optimizer, ref_params=ref_params, seed=config.seed)
+    state = learner.init_state(params, optimizer, ref_params=ref_params, seed=config.seed,
+                               master_dtype=config.learner.master_dtype or None)
     step_fn, _ = learner.jit_train_step(
         learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
                                 microbatches=config.learner.microbatches,

@@ -170,6 +170,8 @@ def learner_arrays(state, judge_params=None) -> dict[str, Any]:
     arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
     if state.ref_params is not None:
         arrays["ref_params"] = state.ref_params
+    if getattr(state, "master_params", None) is not None:
+        arrays["master_params"] = state.master_params
     if judge_params is not None:
         arrays["judge_params"] = judge_params
     return arrays
@@ -179,7 +181,8 @@ def restore_learner(checkpointer: Checkpointer, state, judge_params=None):
     """(state, judge_params) from the latest checkpoint, in the shapes and shardings of the given ones."""
     restored = checkpointer.restore_state(learner_arrays(state, judge_params))
     state = state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"],
-                          ref_params=restored.get("ref_params", state.ref_params))
+                          ref_params=restored.get("ref_params", state.ref_params),
+                          master_params=restored.get("master_params", state.master_params))
     return state, restored.get("judge_params", judge_params)
 
 

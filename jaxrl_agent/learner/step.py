@@ -58,6 +58,10 @@ class TrainState(flax.struct.PyTreeNode):
     ref_params: Any  # frozen reference policy for KL terms, or None
     skipped_steps: jax.Array
     rng: jax.Array
+    # Mixed precision: higher-precision master weights (and the optimizer state over them) when the
+    # parameters are kept in bfloat16; `params` is then their cast, what forward passes and the
+    # sampler use. None: the optimizer updates `params` directly.
+    master_params: Any = None
 
 
 def make_optimizer(*, learning_rate: float, warmup_steps: int, total_steps: int, weight_decay: float = 0.0,
@@ -70,9 +74,15 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int, total_steps: int,
                        optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
 
 
-def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=None, seed: int = 0) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      ref_params=ref_params, skipped_steps=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed))
+def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=None, seed: int = 0,
+               master_dtype: str | None = None) -> TrainState:
+    """The learner state. master_dtype (e.g. 'float32' for bfloat16 `params`): keep master weights
+    and the optimizer's moments in that dtype (mixed precision: updates too small for bfloat16
+    accumulate in the master copy); None = the optimizer works on `params` themselves."""
+    master = None if not master_dtype else jax.tree.map(lambda p: p.astype(master_dtype), params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params if master is None else master), ref_params=ref_params,
+                      skipped_steps=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed), master_params=master)
 
 
 def sequence_logprobs(config: models.ModelConfig, params, batch: PackedBatch, *, temperature: float = 1.0,
@@ -192,14 +202,21 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
         metrics = jax.tree.map(jnp.mean, metrics)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        if state.master_params is None:
+            updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new_params, new_master = optax.apply_updates(state.params, updates), None
+        else:  # mixed precision: the update lands on the master weights; params are their cast
+            grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, state.master_params)
+            updates, new_opt_state = optimizer.update(grads, state.opt_state, state.master_params)
+            new_master = keep(optax.apply_updates(state.master_params, updates), state.master_params)
+            new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), new_master, state.params)
         new_state = state.replace(
             step=state.step + finite.astype(jnp.int32),
             params=keep(new_params, state.params),
             opt_state=keep(new_opt_state, state.opt_state),
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+            master_params=new_master,
         )
         metrics.update(loss=loss, grad_norm=grad_norm, update_skipped=(~finite).astype(jnp.float32))
         return new_state, metrics
@@ -227,7 +244,8 @@ def state_shardings(state: TrainState, mesh: jax.sharding.Mesh):
     opt = jax.tree_util.tree_map_with_path(opt_leaf_sharding, state.opt_state)
     ref = None if state.ref_params is None else param_shardings
     return TrainState(step=replicated, params=param_shardings, opt_state=opt, ref_params=ref,
-                      skipped_steps=replicated, rng=replicated)
+                      skipped_steps=replicated, rng=replicated,
+                      master_params=None if state.master_params is None else param_shardings)
 
 
 def _shape(params, name: str):

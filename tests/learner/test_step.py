@@ -198,3 +198,49 @@ def test_loss_controls_add_an_entropy_bonus_and_icepop_masking_without_recompili
     assert float(bonus["controls/entropy_bonus"]) == 0.5 and float(zero["controls/icepop_masked_share"]) == 0.0
     assert float(icepop["controls/icepop_masked_share"]) > 0.5
     assert float(icepop["masked_token_share"]) >= float(plain["masked_token_share"])
+
+
+def test_float32_master_weights_keep_the_updates_bfloat16_parameters_round_away():
+    """Mixed precision: with bfloat16 parameters an AdamW step of ~lr = 1e-5 is below bfloat16's
+    resolution for most weights, so bfloat16-only training leaves them unchanged; float32 master
+    weights take every update, and the parameters are exactly their cast."""
+    config = dataclasses.replace(CONFIG, param_dtype="bfloat16", dtype="bfloat16")
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), models.init_params(CONFIG, jax.random.PRNGKey(0)))
+    optimizer = learner.make_optimizer(learning_rate=1e-5, warmup_steps=1, total_steps=100)
+    step = jax.jit(learner.make_train_step(config, optimizer, sft=True))
+    batch = jax.tree.map(jnp.asarray, _expert_batch(4))
+    plain = learner.init_state(params, optimizer)
+    mixed = learner.init_state(params, optimizer, master_dtype="float32")
+    assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(mixed.master_params))
+    assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(mixed.opt_state) if hasattr(m, "dtype") and m.ndim)
+    for _ in range(3):
+        plain, _ = step(plain, batch)
+        mixed, _ = step(mixed, batch)
+    leaves = lambda tree: [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+    start = leaves(params)
+    moved_plain = np.mean(np.concatenate([(a != b).ravel() for a, b in zip(leaves(plain.params), start)]))
+    moved_master = np.mean(np.concatenate([(a != b).ravel() for a, b in zip(leaves(mixed.master_params), start)]))
+    assert moved_plain < 0.2 and moved_master > 0.9, (moved_plain, moved_master)
+    for p, m in zip(jax.tree.leaves(mixed.params), jax.tree.leaves(mixed.master_params)):
+        assert p.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+
+
+def test_master_weights_are_checkpointed_and_restored_exactly(tmp_path):
+    from jaxrl_agent import checkpoint
+
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), models.init_params(CONFIG, jax.random.PRNGKey(0)))
+    optimizer = learner.make_optimizer(learning_rate=1e-5, warmup_steps=1, total_steps=100)
+    state = learner.init_state(params, optimizer, master_dtype="float32")
+    state = state.replace(master_params=jax.tree.map(lambda m: m + 1e-6, state.master_params))
+    saver = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), keep=1)
+    saver.save(1, checkpoint.learner_arrays(state), checkpoint.RunState(
+        stage="rl", iteration=1, version=1, elapsed_seconds=0.0, trained_tokens_total=0, source={}, replay={}, rng=[]))
+    saver.close()
+    reader = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), keep=1)
+    assert reader.latest() is not None
+    fresh = learner.init_state(params, optimizer, master_dtype="float32")
+    restored, _ = checkpoint.restore_learner(reader, fresh)
+    reader.close()
+    for a, b in zip(jax.tree.leaves(restored.master_params), jax.tree.leaves(state.master_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
