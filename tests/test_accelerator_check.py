@@ -7,11 +7,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--dtype", "float32", "--batches", "2", "--prompt", "16", "--new_tokens", "8",
         "--rows", "2", "--length", "128", "--steps", "1", "--repeats", "1"]
 
 
+@pytest.mark.slow  # ~30 s of compiling two shapes; CI's slow pass runs it
 def test_the_accelerator_check_prints_decode_against_its_roofline_and_learner_mfu():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "accelerator_check.py"), *TINY,
                            "--peak_tflops", "1", "--peak_gbs", "10"], capture_output=True, text=True, timeout=600)

@@ -212,11 +212,12 @@ def test_asynchronous_schedules_with_partial_rollouts(tmp_path, schedule, extra)
 def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     """configs/qwen3_0_6b_agentic.py with a tiny random Qwen3 saved as a Hugging Face folder (config.json,
     safetensors) with Qwen's real vocabulary and a Qwen3-style chat template: the model's own
-    template, Qwen3's tool format, system prompt, SFT then RL, a few steps."""
+    template, Qwen3's tool format, system prompt, SFT then RL, a few steps; then the export. (The
+    config's float32 master weights are a no-op on these float32 parameters.)"""
     import jax
 
     from jaxrl_agent import models
-    from tests import hf_reference, real_vocab
+    from tests import real_vocab
 
     checkpoint = tmp_path / "qwen3_tiny"
     checkpoint.mkdir()
@@ -252,12 +253,12 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     assert "<tools>" in tok.decode(demo.tokens) and "<tool_response>" in tok.decode(demo.tokens)
     # Export: launch/export_hf.py from the workdir alone; transformers loads it with our logits and
     # our sampler's greedy tokens, with the tokenizer files and the chat template alongside.
+    # (transformers runs in a process of its own: torch and this process's JAX runtime, sampler
+    # thread included, are kept apart.)
     import subprocess
     import sys
 
     import numpy as np
-    import torch
-    import transformers
 
     from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams
 
@@ -267,20 +268,29 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exported checkpoint step" in done.stdout
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
-    ours_config, ours = models.load_hf(str(out))
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     prompt = demo.tokens[:48].astype(np.int64)
-    np.testing.assert_allclose(hf_reference.hf_logits(hf_model, prompt[None])[0],
-                               np.asarray(models.forward(ours_config, ours, prompt[None].astype(np.int32)))[0],
+    np.save(tmp_path / "prompt.npy", prompt)
+    reference = ("import sys, numpy as np, torch, transformers\n"
+                 "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+                 "p = torch.as_tensor(np.load(sys.argv[2])[None])\n"
+                 "with torch.no_grad():\n"
+                 "    logits = m(input_ids=p).logits[0].float().numpy()\n"
+                 "    greedy = m.generate(p, max_new_tokens=8, do_sample=False, eos_token_id=None,"
+                 " pad_token_id=0)[0, p.shape[1]:].numpy()\n"
+                 "np.savez(sys.argv[3], logits=logits, greedy=greedy)\n")
+    done = subprocess.run([sys.executable, "-c", reference, str(out), str(tmp_path / "prompt.npy"),
+                           str(tmp_path / "hf.npz")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf = np.load(tmp_path / "hf.npz")
+    ours_config, ours = models.load_hf(str(out))
+    np.testing.assert_allclose(hf["logits"], np.asarray(models.forward(ours_config, ours,
+                                                                       prompt[None].astype(np.int32)))[0],
                                atol=1e-4, rtol=0)
-    with torch.no_grad():
-        hf_greedy = hf_model.generate(torch.as_tensor(prompt[None]), max_new_tokens=8, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     engine = AgentEngine(ours_config, ours, tok, max_concurrent_decodes=1, max_prefill_length=64,
                          max_cache_length=64, steps_per_call=4, stop_token_ids=[])
     with LocalSampler(engine) as sampler:
         (completion,) = sampler.generate_many([prompt.tolist()], SamplingParams(temperature=0.0, max_tokens=8))
-    assert list(completion.token_ids) == hf_greedy
+    assert list(completion.token_ids) == hf["greedy"].tolist()
     exported_template = chat_template.ChatTemplate.from_folder(str(out))
     assert exported_template.source == template.source
     # Qwen3 with thinking off drops earlier replies' empty think blocks when it re-renders: the run says so.

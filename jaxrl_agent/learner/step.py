@@ -79,7 +79,11 @@ def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=No
     """The learner state. master_dtype (e.g. 'float32' for bfloat16 `params`): keep master weights
     and the optimizer's moments in that dtype (mixed precision: updates too small for bfloat16
     accumulate in the master copy); None = the optimizer works on `params` themselves."""
-    master = None if not master_dtype else jax.tree.map(lambda p: p.astype(master_dtype), params)
+    if master_dtype and all(jnp.dtype(p.dtype) == jnp.dtype(master_dtype) for p in jax.tree.leaves(params)):
+        master_dtype = None  # parameters already in the master dtype: nothing to keep apart
+    # A copy, never a view: the train step donates the state, and two leaves sharing a buffer
+    # would be donated twice.
+    master = None if not master_dtype else jax.tree.map(lambda p: jnp.array(p, dtype=master_dtype, copy=True), params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params if master is None else master), ref_params=ref_params,
                       skipped_steps=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed), master_params=master)

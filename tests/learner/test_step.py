@@ -244,3 +244,15 @@ def test_master_weights_are_checkpointed_and_restored_exactly(tmp_path):
     reader.close()
     for a, b in zip(jax.tree.leaves(restored.master_params), jax.tree.leaves(state.master_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_master_weights_never_alias_the_parameters():
+    """The train step donates its state: a master copy sharing the parameters' buffers would be
+    donated twice (a use-after-free). Parameters already in the master dtype keep no master copy."""
+    params = models.init_params(CONFIG, jax.random.PRNGKey(0))
+    optimizer = learner.make_optimizer(learning_rate=1e-5, warmup_steps=1, total_steps=100)
+    assert learner.init_state(params, optimizer, master_dtype="float32").master_params is None
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    state = learner.init_state(bf16, optimizer, master_dtype="float32")
+    pointers = {p.unsafe_buffer_pointer() for p in jax.tree.leaves(state.params)}
+    assert not pointers & {m.unsafe_buffer_pointer() for m in jax.tree.leaves(state.master_params)}
