@@ -194,12 +194,16 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
     def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, Metrics]:
         micro_batches = _split(batch, microbatches)
 
+        # Microbatch gradients are summed in the master dtype when there is one (a bfloat16 sum of
+        # several microbatches would round away what the float32 master weights are kept for).
+        accumulator = state.params if state.master_params is None else state.master_params
+
         def accumulate(carry, micro):
             grads_sum, loss_sum = carry
             (loss, metrics), grads = grad_fn(state.params, state.ref_params, micro)
-            return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss), metrics
+            return (jax.tree.map(lambda s, g: s + g.astype(s.dtype), grads_sum, grads), loss_sum + loss), metrics
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, accumulator)
         (grads, loss), metrics = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
         grads = jax.tree.map(lambda g: g / microbatches, grads)
         loss = loss / microbatches
@@ -211,7 +215,6 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params, new_master = optax.apply_updates(state.params, updates), None
         else:  # mixed precision: the update lands on the master weights; params are their cast
-            grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, state.master_params)
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.master_params)
             new_master = keep(optax.apply_updates(state.master_params, updates), state.master_params)
             new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), new_master, state.params)
