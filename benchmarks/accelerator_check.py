@@ -11,7 +11,8 @@ cache once at the device's memory bandwidth (`sampler_throughput.decode_step_flo
 floor tokens/s. Learner: `learner.make_train_step` (the default objective, AdamW) on `--rows`
 packed rows of `--length` tokens, half of them trained; tokens/s over all row tokens, and MFU =
 6 * parameters * tokens/s / peak FLOP/s (the usual 6N estimate: forward and backward matmuls,
-attention's own FLOPs left out). Peaks come from the device kind (table below) or
+attention's own FLOPs left out). Memory: the plan of `jaxrl_agent.memory_plan` for the learner step (remat, float32 master weights)
+against the backend's own compiled peak for that step. Peaks come from the device kind (table below) or
 `--peak_tflops` / `--peak_gbs`; without either the fractions are not printed. Each figure is the
 median of `--repeats` timed runs after a compiled warm-up.
 """
@@ -35,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jaxrl_agent import learner, losses, models, replay, sharding, tokenizer as tok  # noqa: E402
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams  # noqa: E402
 from sampler_throughput import decode_step_floor  # noqa: E402
+from memory_plan import compiled_peak  # noqa: E402
+from jaxrl_agent import memory_plan  # noqa: E402
 
 # configs/qwen3_0_6b_agentic.py's shape; `tiny` for a CPU run of the script itself.
 MODELS = {
@@ -145,6 +148,21 @@ def main(argv=None):
     print("\n| learner rows x length | tokens/s | MFU (6N) |")
     print("|---|---|---|")
     print(f"| {args.rows} x {args.length} | {rate:,.0f} | {f'{mfu:.3g}' if mfu is not None else '?'} |", flush=True)
+
+    # The memory plan (benchmarks/RESULTS.md's table) against this backend's own buffer assignment
+    # for the same step: remat, float32 master weights, logits in chunks of 128, a quarter of each
+    # row trained.
+    print("\n| learner step (remat, float32 master) | planned (MiB) | compiled peak on this device (MiB) | ratio |")
+    print("|---|---|---|---|")
+    remat = config.replace(remat=True)
+    settings = dict(rows=args.rows, row_length=args.length, targets=args.length // 4, logits_chunk=128,
+                    master_dtype="float32")
+    planned = memory_plan.learner_memory(remat, **settings).total
+    peak = compiled_peak(remat, **settings)["peak"]
+    print(f"| {args.rows} x {args.length} | {planned / 2**20:,.1f} | {peak / 2**20:,.1f} | {planned / peak:.3f} |")
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        print(f"\ndevice peak bytes in use over the whole check: {stats['peak_bytes_in_use'] / 2**30:,.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def get_config():
     config.sampler.max_prefill_length = 1024  # Longest prompt (power of two).
     config.sampler.max_cache_length = 1024  # Tokens per slot.
     config.sampler.steps_per_call = 8  # Decode steps per generate call.
-    config.sampler.prefix_cache_entries = 32  # ~117 MiB each in bfloat16 at this cache length.
+    config.sampler.prefix_cache_entries = 32  # ~112 MiB each in bfloat16 at this cache length.
     config.rollout.include_system_prompt = True  # The environment's instructions (how to answer).
     config.rollout.max_tokens_per_turn = 256  # Longest assistant turn.
     config.rollout.max_context = 1024  # Longest episode (<= learner.row_length).
@@ -71,6 +71,7 @@ def get_config():
     config.learner.row_length = 1024  # Tokens per packed learner row.
     config.learner.microbatches = 4  # Gradient accumulation.
     # 128 positions x 151,936 vocabulary x 4 bytes = 78 MB of logits per row at a time, not 622 MB.
+    # Remat and this chunk hold for 0.6B, 1.7B and 8B (benchmarks/RESULTS.md, "Remat and the logits chunk per size").
     config.learner.logits_chunk = 128
     # Output projection and softmax only at trained positions (RL rows are mostly prompt, tool output
     # and padding; at a 151,936-token vocabulary the projection dominates the step).

@@ -26,6 +26,8 @@ def test_the_accelerator_check_prints_decode_against_its_roofline_and_learner_mf
     learn = re.search(r"\| 2 x 128 \| ([\d,]+) \| ([\d.e+-]+) \|", done.stdout)
     assert learn and float(learn.group(1).replace(",", "")) > 0 and float(learn.group(2)) > 0, done.stdout
     assert "peaks: 1.0 TFLOP/s, 10.0 GB/s" in done.stdout
+    memory = re.search(r"\| 2 x 128 \| ([\d,.]+) \| ([\d,.]+) \| ([\d.]+) \|", done.stdout)
+    assert memory and 0.9 <= float(memory.group(3)) <= 1.1, done.stdout  # the plan against this backend's peak
     # The shell entry point names the real shape and keeps a log.
     script = (ROOT / "benchmarks" / "accelerator_check.sh").read_text()
     assert "--model 0.6b --dtype bfloat16" in script and "accelerator_check.out" in script
