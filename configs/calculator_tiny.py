@@ -139,6 +139,10 @@ def get_config() -> ml_collections.ConfigDict:
     # With thinking on: tokens a reply may spend inside its <think> block before the block is
     # closed for it (template tokens, not trained) and it must answer (0 = no budget).
     config.rollout.max_think_tokens = 0
+    # With a model's own chat template: 'template' = each turn's context is the template's rendering
+    # of the conversation so far, as deployment shows it (a new learner sequence where the template
+    # rewrites earlier turns, e.g. Qwen3's dropped empty think blocks); 'append' = append-only.
+    config.rollout.history = "template"
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"

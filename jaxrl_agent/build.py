@@ -51,7 +51,25 @@ def episode_settings(config, temperature: float):
         sampling=SamplingParams(temperature=temperature, max_tokens=c.max_tokens_per_turn, top_k=c.top_k,
                                 top_p=c.top_p),
         max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns,
-        tool_format=config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens)
+        tool_format=config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens, history=c.history)
+
+
+def template_history(config, template) -> tuple[dict, str | None]:
+    """(start-record fields, console line or None) on how the chat template treats earlier turns:
+    nothing when it only appends; where it rewrites them (Qwen3 with thinking off drops earlier
+    replies' empty think blocks), `template_rewrites_history` and what the run does about it —
+    re-render each turn and train one learner sequence per rewrite (rollout.history='template'), or
+    keep append-only episodes whose later contexts differ from a deployment's ('append', a warning)."""
+    rewritten = template.rewritten_history() if hasattr(template, "rewritten_history") else None
+    if not rewritten:
+        return {}, None
+    fields = {"template_rewrites_history": rewritten, "history": config.rollout.history}
+    if config.rollout.history == "template":
+        return fields, (f"chat template {template.name} rewrites earlier turns ({rewritten}): each turn's context is "
+                        "re-rendered as a deployment shows it, and an episode is one learner sequence per rewrite")
+    return fields, (f"warning: chat template {template.name} rewrites earlier turns ({rewritten}): with "
+                    "rollout.history='append' episodes train on what the sampler saw, but a deployment that "
+                    "re-renders the history shows the model a different context")
 
 
 def build_mesh(config) -> jax.sharding.Mesh:
@@ -485,6 +503,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     one_of("learner.master_dtype", config.learner.master_dtype, ("", "float32"))
     need(config.rollout.top_k >= 0, f"rollout.top_k={config.rollout.top_k}: expected >= 0 (0 = off)")
     need(0.0 < config.rollout.top_p <= 1.0, f"rollout.top_p={config.rollout.top_p}: expected in (0, 1] (1 = off)")
+    from jaxrl_agent.rollout import episode as episode_lib
+
+    one_of("rollout.history", config.rollout.history, episode_lib.HISTORY_MODES)
     need(config.rollout.max_think_tokens >= 0,
          f"rollout.max_think_tokens={config.rollout.max_think_tokens}: expected >= 0 (0 = no budget)")
     need(tk.template == "model" or tk.kind == "char",
@@ -825,7 +846,7 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
     def demonstrate(n):
         return [rollout.expert_trajectory(environments.environments[t.env], t, envs.expert_policy(t.env), tok,
                                           template, include_system_prompt=config.rollout.include_system_prompt,
-                                          tool_format=config.tokenizer.tool_format)
+                                          tool_format=config.tokenizer.tool_format, history=config.rollout.history)
                 for t in tasks.take(n)]
 
     return data.Demonstrations(demonstrate(config.sft.num_demonstrations), fresh=demonstrate)

@@ -254,7 +254,7 @@ def run_sft(run: Run) -> None:
     for step in range(1, c.steps + 1):
         trajectories = demonstrations.sample(run.rng, c.batch_size)
         # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
-        fitting = [t for t in trajectories if t.length <= config.learner.row_length]
+        fitting = [t for t in trajectories if t.longest_segment <= config.learner.row_length]
         skipped += len(trajectories) - len(fitting)
         batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=row_multiple,
                                target_multiple=config.learner.target_multiple)
@@ -478,16 +478,13 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
     run = build_run(config, workdir, quiet=quiet, objective=objective, reward_fn=reward_fn)
     try:
         run.writer.write_config(config)
-        rewritten = run.template.rewritten_history() if hasattr(run.template, "rewritten_history") else None
+        history, history_note = build.template_history(config, run.template)
         run.log("start", 0, {"params": models.count_params(run.params), "devices": jax.device_count(),
                              "processes": jax.process_count(), "objective": run.objective.name,
-                             "environments": ",".join(run.environments.environments),
-                             **({"template_rewrites_history": rewritten} if rewritten else {})},
+                             "environments": ",".join(run.environments.environments), **history},
                 global_step=0 if run.resume is None else config.sft.steps + run.resume.iteration)
-        if rewritten:
-            run.writer.say(f"warning: chat template {run.template.name} rewrites earlier turns ({rewritten}): episodes "
-                           "train on what the sampler saw, but a deployment that re-renders the history shows the "
-                           "model a different context")
+        if history_note:
+            run.writer.say(history_note)
         for step, reason in run.skipped_checkpoints:
             run.log("checkpoint_skipped", step - config.sft.steps, {"checkpoint_step": step, "error": reason},
                     global_step=step, console=f"warning: checkpoint step {step} does not restore ({reason}); resuming "

@@ -162,3 +162,93 @@ def test_the_think_budget_closes_the_block_with_template_tokens_and_the_policy_a
     assert row[start + 24:start + 24 + len(close)] == close
     assert t.loss_mask[start:start + 24].all() and not t.loss_mask[start + 24:start + 24 + len(close)].any()
     assert sampler.calls[1][0] == row[:start + 24 + len(close)]
+
+
+class PlainSampler:
+    """Replies like Qwen3 with thinking off (its generation prompt holds the empty think block): the
+    expert's action in Qwen3's form, nothing else."""
+
+    def __init__(self, tok):
+        self.tok, self.prompts, self.replies = tok, [], []
+
+    async def generate(self, prompt_ids, sampling):
+        self.prompts.append(list(prompt_ids))
+        text = self.tok.decode(prompt_ids)
+        if "<tool_response>" not in text:
+            expr = text.split("Q: ")[1].split("=?")[0]
+            action = tool_formats.get("qwen3").from_env(tp.format_tool_call(tp.ToolCall("calc", {"expr": expr})))
+        else:
+            action = "<answer>" + text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0] + "</answer>"
+        ids = self.tok.encode(f"{action}<|im_end|>")
+        self.replies.append(ids)
+        return Completion(tuple(ids), tuple(-0.5 for _ in ids), tuple(3 for _ in ids), "stop")
+
+
+def _hf_prompt(folder, messages, tools, thinking):
+    import transformers
+
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    out = hf.apply_chat_template(messages, tools=tools, enable_thinking=thinking, add_generation_prompt=True,
+                                 tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_thinking_off_each_turns_context_is_the_templates_and_a_rewrite_starts_a_new_sequence(qwen3_tokenizer_dir):
+    """Qwen3 with thinking off drops each earlier reply's empty think block: the second turn's
+    context is not an extension of the first sequence. The episode starts a second learner sequence
+    from the re-rendered context; every sampler call saw exactly `apply_chat_template` of the
+    conversation so far, and each sequence is that context followed by its reply (trained), the
+    earlier reply being context (untrained) in the second one."""
+    tok, template = _qwen3(qwen3_tokenizer_dir, False)
+    assert template.rewritten_history() is not None
+    env = envs.make("calculator")
+    task = env.sample_task(11, 2)
+    sampler = PlainSampler(tok)
+    settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=200), max_context=4000,
+                                       max_turns=4, include_system_prompt=True, tool_format="qwen3")
+    t = asyncio.run(rollout.run_episode(sampler, rollout.InProcessEnv(env), task, tok, template, settings))
+    assert t.reward_components["correctness"] == 1.0 and len(sampler.prompts) == 2
+    assert len(t.segments) == 2, t.segment_starts
+    tools = tool_formats.get("qwen3").schemas([s.to_dict() for s in env.tools()])
+    messages = [{"role": "system", "content": env.instructions()}, {"role": "user", "content": task.prompt}]
+    tokens = t.tokens.tolist()
+    for k, ((a, b), prompt, reply) in enumerate(zip(t.segments, sampler.prompts, sampler.replies)):
+        assert prompt == _hf_prompt(qwen3_tokenizer_dir, messages, tools, False)  # what deployment shows
+        assert tokens[a:b] == prompt + reply  # the sequence: that context, then the reply
+        assert not t.loss_mask[a:a + len(prompt)].any() and t.loss_mask[a + len(prompt):b].all()
+        messages.append({"role": "assistant", "content": tok.decode(reply[:-1])})
+        if k == 0:
+            messages.append({"role": "tool", "content": str(task.verifier["answer"])})
+    assert "<think>\n\n</think>" in tok.decode(sampler.prompts[0]) and tok.decode(sampler.prompts[1]).count(
+        "<think>\n\n</think>") == 1  # the first reply's empty block is gone from the second context
+    # Packed for the learner: two sequences, positions restarting, exactly the replies trained.
+    from jaxrl_agent import replay
+
+    batch, rows = replay.pack([t], 4000)
+    assert sorted(np.unique(batch.segment_ids[batch.segment_ids > 0]).tolist()) == [1, 2] and rows == [[0, 0]]
+    assert int(batch.loss_mask.sum()) == sum(len(r) for r in sampler.replies)
+    assert replay.validate(t, vocab_size=tok.vocab_size, max_length=max(b - a for a, b in t.segments)) is None
+    # 'append' keeps one append-only sequence (what the sampler then sees in turn 2 is not the template's).
+    appended = PlainSampler(tok)
+    one = asyncio.run(rollout.run_episode(appended, rollout.InProcessEnv(envs.make("calculator")), task, tok, template,
+                                          rollout.EpisodeSettings(**{**settings.__dict__, "history": "append"})))
+    assert one.segment_starts == () and appended.prompts[1] != sampler.prompts[1]
+
+
+def test_an_expert_episode_with_thinking_off_is_split_as_a_sampled_one_is(qwen3_tokenizer_dir):
+    tok, template = _qwen3(qwen3_tokenizer_dir, False)
+    env = envs.make("calculator")
+    task = env.sample_task(5, 3)
+    t = rollout.expert_trajectory(env, task, envs.expert_policy("calculator"), tok, template,
+                                  include_system_prompt=True, tool_format="qwen3")
+    sampled = asyncio.run(rollout.run_episode(
+        PlainSampler(tok), rollout.InProcessEnv(envs.make("calculator")), task, tok, template,
+        rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=200), max_context=4000,
+                                max_turns=4, include_system_prompt=True, tool_format="qwen3")))
+    assert t.segment_starts == sampled.segment_starts and t.tokens.tolist() == sampled.tokens.tolist()
+    assert t.loss_mask.tolist() == sampled.loss_mask.tolist()
+
+
+def test_history_mode_is_checked():
+    with pytest.raises(ValueError, match="history='sometimes'"):
+        rollout.EpisodeSettings(sampling=SamplingParams(), max_context=10, history="sometimes")

@@ -293,8 +293,11 @@ def test_real_model_config_end_to_end_on_a_tiny_random_checkpoint(tmp_path):
     assert list(completion.token_ids) == hf["greedy"].tolist()
     exported_template = chat_template.ChatTemplate.from_folder(str(out))
     assert exported_template.source == template.source
-    # Qwen3 with thinking off drops earlier replies' empty think blocks when it re-renders: the run says so.
-    assert "<think>" in next(r for r in records if r["stage"] == "start")["template_rewrites_history"]
+    # Qwen3 with thinking off drops earlier replies' empty think blocks when it re-renders: the run says so,
+    # and re-renders each turn (a new learner sequence at each rewrite), its SFT data as well.
+    start = next(r for r in records if r["stage"] == "start")
+    assert "<think>" in start["template_rewrites_history"] and start["history"] == "template"
+    assert len(demo.segments) == 2  # the tool call, then the answer in a re-rendered context
     assert next(r for r in records if r["stage"] == "start")["params"] == models.count_params(
         models.init_params(tiny, jax.random.PRNGKey(0)))
 

@@ -1,8 +1,8 @@
 """Packing variable-length trajectories into fixed [B, T] learner rows.
 
-First-fit decreasing: longest first, each into the first row with room. Each trajectory becomes one
-segment (ids 1, 2, ... within a row; 0 = padding) with positions restarting at 0, so attention
-never crosses trajectories (`models.forward(..., segment_ids=...)`). Rows are padded to a multiple
+First-fit decreasing: longest first, each into the first row with room. Each learner sequence of a
+trajectory (one, or one per `Trajectory.segments` entry) becomes one attention segment (ids 1, 2, ...
+within a row; 0 = padding) with positions restarting at 0, so attention never crosses sequences (`models.forward(..., segment_ids=...)`). Rows are padded to a multiple
 of `row_multiple` so that the jitted train step sees few distinct shapes.
 """
 
@@ -18,26 +18,33 @@ from jaxrl_agent.replay.trajectory import Trajectory
 
 def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: int = 1,
          min_rows: int = 1, target_multiple: int = 0) -> tuple[PackedBatch, list[list[int]]]:
-    """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories).
+    """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories, one
+    entry per packed sequence).
 
     target_multiple > 0 also fills `target_index` ([B, K]: each row's trained positions, padded
     with 0), K being the most trained tokens in a row rounded up to a multiple of target_multiple
     (at most row_length), so that the learner sees few distinct shapes; 0 = no index.
     """
-    order = sorted(range(len(trajectories)), key=lambda i: -trajectories[i].length)
+    pieces = [(i, a, b) for i, t in enumerate(trajectories) for a, b in t.segments]
+    order = sorted(range(len(pieces)), key=lambda p: -(pieces[p][2] - pieces[p][1]))
     rows: list[list[int]] = []
+    members: list[list[tuple[int, int, int]]] = []
     room: list[int] = []
-    for i in order:
-        n = trajectories[i].length
+    for p in order:
+        i, a, b = pieces[p]
+        n = b - a
         if n > row_length:
-            raise ValueError(f"trajectory {trajectories[i].task_id!r} of {n} tokens exceeds row_length={row_length}")
+            raise ValueError(f"trajectory {trajectories[i].task_id!r}: a sequence of {n} tokens exceeds "
+                             f"row_length={row_length}")
         for r, free in enumerate(room):
             if free >= n:
                 rows[r].append(i)
+                members[r].append(pieces[p])
                 room[r] -= n
                 break
         else:
             rows.append([i])
+            members.append([pieces[p]])
             room.append(row_length - n)
     count = max(len(rows), min_rows)
     count = -(-count // row_multiple) * row_multiple
@@ -46,19 +53,19 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
         ("tokens", np.int32), ("segment_ids", np.int32), ("positions", np.int32), ("loss_mask", np.int32),
         ("advantages", np.float32), ("sampler_logprobs", np.float32), ("policy_version", np.int32))}
     out["policy_version"][:] = -1
-    for r, members in enumerate(rows):
+    for r, row in enumerate(members):
         start = 0
-        for segment, i in enumerate(members, start=1):
-            t = trajectories[i]
-            sl = slice(start, start + t.length)
-            out["tokens"][r, sl] = t.tokens
+        for segment, (i, a, b) in enumerate(row, start=1):
+            t, n = trajectories[i], b - a
+            sl, mask = slice(start, start + n), t.loss_mask[a:b]
+            out["tokens"][r, sl] = t.tokens[a:b]
             out["segment_ids"][r, sl] = segment
-            out["positions"][r, sl] = np.arange(t.length)
-            out["loss_mask"][r, sl] = t.loss_mask
-            out["advantages"][r, sl] = t.advantage * t.loss_mask
-            out["sampler_logprobs"][r, sl] = t.sampler_logprobs * t.loss_mask
-            out["policy_version"][r, sl] = np.where(t.loss_mask == 1, t.policy_version, -1)
-            start += t.length
+            out["positions"][r, sl] = np.arange(n)
+            out["loss_mask"][r, sl] = mask
+            out["advantages"][r, sl] = t.advantage * mask
+            out["sampler_logprobs"][r, sl] = t.sampler_logprobs[a:b] * mask
+            out["policy_version"][r, sl] = np.where(mask == 1, t.policy_version[a:b], -1)
+            start += n
     batch = PackedBatch(tokens=out["tokens"], segment_ids=out["segment_ids"], positions=out["positions"],
                         loss_mask=out["loss_mask"], advantages=out["advantages"],
                         sampler_logprobs=out["sampler_logprobs"], old_logprobs=out["sampler_logprobs"].copy(),

@@ -84,10 +84,13 @@ class RubricJudge:
 
 
 def _transcript(trajectory, decode) -> tuple[str, str]:
-    """(task prompt, transcript after it) decoded from the episode's token ids."""
+    """(task prompt, transcript after it) decoded from the episode's token ids. An episode of several
+    learner sequences is judged on its last one (the final context, which holds the whole
+    conversation as the policy last saw it), after the first sequence's prompt."""
     generated = np.flatnonzero(np.asarray(trajectory.loss_mask) == 1)
     start = int(generated[0]) if generated.size else len(trajectory.tokens)
-    return decode(trajectory.tokens[:start]), decode(trajectory.tokens[start:])
+    last = trajectory.segment_starts[-1] if getattr(trajectory, "segment_starts", ()) else 0
+    return decode(trajectory.tokens[:start]), decode(trajectory.tokens[last + start:])
 
 
 def judge_groups(judge: "RubricJudge", groups, decode, *, length_bias_threshold: float = 0.5

@@ -4,6 +4,15 @@ The episode's token sequence is built from ids only: the rendered prompt, the sa
 exactly, with their log-probs and versions), and the template + observation ids between turns. The
 action text handed to the environment is decoded from the sampled ids, but those ids — not a
 re-encoding of the text — are what the learner trains on.
+
+History (`EpisodeSettings.history`): with a model's own chat template ('template', the default),
+each turn's context is the template's rendering of the conversation so far, as a deployment that
+calls `apply_chat_template` every turn shows it. Where that rendering extends the sequence built so
+far, the new ids are appended; where the template renders an earlier turn differently (Qwen3 with
+thinking off drops each earlier reply's empty think block), the episode starts a new learner
+sequence (`Trajectory.segment_starts`) from the re-rendered context, whose earlier replies are
+context there (mask 0) — so every sequence is exactly what the sampler conditioned on, and the
+policy is trained in the context it is deployed in. 'append' keeps one append-only sequence.
 """
 
 from __future__ import annotations
@@ -124,6 +133,37 @@ class EpisodeSettings:
     # A thinking model's budget per turn: once a reply has spent this many tokens inside its
     # <think> block, the block is closed for it (template tokens, not trained) and it answers.
     max_think_tokens: int = 0  # 0 = no budget
+    # 'template': each turn's context is the chat template's rendering of the conversation so far (a
+    # new learner sequence where it rewrites earlier turns); 'append': one append-only sequence.
+    history: str = "template"
+
+    def __post_init__(self):
+        if self.history not in HISTORY_MODES:
+            raise ValueError(f"EpisodeSettings.history={self.history!r}: expected one of {HISTORY_MODES}")
+
+
+HISTORY_MODES = ("template", "append")
+
+
+def _renders_history(template, settings: EpisodeSettings) -> bool:
+    """Whether turns' contexts come from re-rendering the conversation (a model's own chat template
+    with history='template'); the built-in templates only append."""
+    return settings.history == "template" and hasattr(template, "render_text")
+
+
+def next_context(template, messages, tokens: list[int], segment_start: int, tokenizer: Tokenizer, *,
+                 role: str, content: str, close_assistant: bool, rerender: bool) -> tuple[list[int], bool]:
+    """(ids to add, whether they start a new learner sequence) after a turn whose result is a `role`
+    message with `content`: the template's continuation appended to the current sequence
+    (`tokens[segment_start:]`), or, when re-rendering the conversation (`messages`, its last message
+    that result) does not extend that sequence, the whole re-rendered context."""
+    if not rerender:
+        return template.continuation_ids(role, content, tokenizer, close_assistant=close_assistant), False
+    prompt = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
+    current = tokens[segment_start:]
+    if prompt[:len(current)] == current:
+        return prompt[len(current):], False
+    return prompt, True
 
 
 def _still_thinking(text: str) -> bool | None:
@@ -179,6 +219,8 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     mask = [0] * len(tokens)
     logprobs = [0.0] * len(tokens)
     versions = [-1] * len(tokens)
+    rerender = _renders_history(template, settings)
+    segment, starts = 0, []  # where the current learner sequence begins; where later ones began
     end_ids = template.end_ids(tokenizer)
     think_budget = settings.max_think_tokens
     close_think = tokenizer.encode(f"\n{tool_formats.THINK_CLOSE}\n\n") if think_budget > 0 else []
@@ -190,14 +232,14 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         sampler_calls, cut, closed_think = 0, False, 0
         thinking: bool | None = None if think_budget > 0 else False
         while True:
-            full_room = min(settings.sampling.max_tokens - len(ids), settings.max_context - len(tokens))
+            full_room = min(settings.sampling.max_tokens - len(ids), settings.max_context - (len(tokens) - segment))
             room = full_room
             if room <= 0:
                 break
             if thinking is not False:
                 thinking = _still_thinking(tokenizer.decode(ids)) if ids else None
                 if thinking is not False and len(ids) >= think_budget:
-                    if len(tokens) + len(close_think) >= settings.max_context:
+                    if len(tokens) - segment + len(close_think) >= settings.max_context:
                         cut = True
                         break
                     # The budget is spent inside the block: close it for the policy, then let it answer.
@@ -213,7 +255,7 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
             wanted = room if budget is None else await budget.grant(room)
             try:
                 completion = await sampler.generate(
-                    tokens, dataclasses.replace(settings.sampling, max_tokens=wanted))
+                    tokens[segment:], dataclasses.replace(settings.sampling, max_tokens=wanted))
             except PromptTooLongError:
                 cut = True
                 break
@@ -249,11 +291,19 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
             finish_reason = step.info.get("finish_reason", "answer")
             success = bool(step.info.get("success", False))
             break
-        continuation = template.continuation_ids(step.observation.role, fmt.result(step.observation.text), tokenizer,
-                                                 close_assistant=not ended)
-        if len(tokens) + len(continuation) >= settings.max_context:
+        result = fmt.result(step.observation.text)
+        if rerender:
+            messages = [*messages, {"role": "assistant", "token_ids": ids},
+                        {"role": step.observation.role, "content": result}]
+        continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
+                                             role=step.observation.role, content=result,
+                                             close_assistant=not ended, rerender=rerender)
+        if (0 if restart else len(tokens) - segment) + len(continuation) >= settings.max_context:
             finish_reason = "context_limit"
             break
+        if restart:
+            segment = len(tokens)
+            starts.append(segment)
         tokens += continuation
         mask += [0] * len(continuation)
         logprobs += [0.0] * len(continuation)
@@ -264,19 +314,22 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, np.int32),
         sampler_logprobs=np.asarray(logprobs, np.float32), policy_version=np.asarray(versions, np.int32),
         reward=reward, reward_components=components, group_id=group_id, sample_index=sample_index,
-        env=task.env, task_id=task.id, finish_reason=finish_reason, turns=turns)
+        env=task.env, task_id=task.id, finish_reason=finish_reason, turns=turns, segment_starts=tuple(starts))
 
 
 def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,
                       template: TurnTemplate, *, include_system_prompt: bool = False, seed: int = 0,
-                      tool_format: str = "env") -> Trajectory:
-    """A scripted-expert episode rendered exactly as a sampled one would be (SFT data); the
-    expert's protocol actions are written in the policy's tool format."""
+                      tool_format: str = "env", history: str = "template") -> Trajectory:
+    """A scripted-expert episode rendered exactly as a sampled one would be (SFT data): the
+    expert's protocol actions are written in the policy's tool format, and its learner sequences are
+    split where the template rewrites history, as a sampled episode's are."""
     fmt = tool_formats.get(tool_format)
     first = env.reset(task, seed)
     messages, template = first_messages(first, template, fmt, include_system_prompt=include_system_prompt)
     tokens = list(template.render(messages, tokenizer, add_generation_prompt=True).ids)
     mask = [0] * len(tokens)
+    rerender = history == "template" and hasattr(template, "render_text")
+    segment, starts = 0, []
     observations, actions = [first.text], []
     while True:
         action = expert(task, observations, actions)
@@ -288,12 +341,21 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
         observations.append(step.observation.text)
         if step.done:
             break
-        continuation = template.continuation_ids(step.observation.role, fmt.result(step.observation.text), tokenizer,
-                                                 close_assistant=False)
+        result = fmt.result(step.observation.text)
+        if rerender:
+            messages = [*messages, {"role": "assistant", "token_ids": ids},
+                        {"role": step.observation.role, "content": result}]
+        continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
+                                             role=step.observation.role, content=result, close_assistant=False,
+                                             rerender=rerender)
+        if restart:
+            segment = len(tokens)
+            starts.append(segment)
         tokens += continuation
         mask += [0] * len(continuation)
     n = len(tokens)
     return Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, np.int32),
                       sampler_logprobs=np.zeros(n, np.float32), policy_version=np.zeros(n, np.int32),
                       reward=float(step.reward), reward_components=dict(step.info.get("reward_components", {})),
-                      env=task.env, task_id=task.id, finish_reason=step.info.get("finish_reason", ""))
+                      env=task.env, task_id=task.id, finish_reason=step.info.get("finish_reason", ""),
+                      segment_starts=tuple(starts))

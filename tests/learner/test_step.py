@@ -54,6 +54,39 @@ def test_sampler_logprobs_equal_learner_recomputation_on_packed_episodes():
     assert set(batch.policy_version[mask].tolist()) == {0}
 
 
+def test_sampler_logprobs_equal_learner_recomputation_across_a_template_history_rewrite(tmp_path):
+    """A Qwen3-style template with thinking off renders earlier replies without their empty think
+    block, so every turn after the first starts a new learner sequence from the re-rendered
+    context. Sampled by the real engine, packed, and recomputed by the learner: every sequence's
+    log-probs equal the sampler's (each sequence is exactly the context the sampler conditioned on)."""
+    from jaxrl_agent import chat_template
+    from tests import hf_reference
+
+    hf_reference.train_tiny_hf_tokenizer(tmp_path)
+    tokenizer = tok.HFTokenizer.from_file(str(tmp_path))
+    template = chat_template.ChatTemplate.from_folder(str(tmp_path), options=(("enable_thinking", False),))
+    config = models.ModelConfig(vocab_size=tokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=4,
+                                num_kv_heads=2, head_dim=16)
+    params = models.init_params(config, jax.random.PRNGKey(3))
+    engine = AgentEngine(config, params, tokenizer, max_concurrent_decodes=4, max_prefill_length=256,
+                         max_cache_length=320, steps_per_call=4, seed=2, stop_token_ids=template.end_ids(tokenizer))
+    settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=0.9, max_tokens=12), max_context=300,
+                                       max_turns=3)
+    with LocalSampler(engine) as sampler:
+        tasks = [ENV.sample_task(s, 1) for s in range(2)]
+        groups = asyncio.run(rollout.collect_groups(
+            sampler, lambda task: rollout.InProcessEnv(envs.make("calculator")), tasks, 2, tokenizer, template,
+            settings))
+    trajectories = [t for g in groups for t in g]
+    assert all(len(t.segments) == len(t.turns) for t in trajectories), [(t.segment_starts, t.turns) for t in trajectories]
+    assert sum(len(t.segments) for t in trajectories) > len(trajectories)  # the rewrite did split them
+    batch, _ = replay.pack(trajectories, 320)
+    assert int(batch.loss_mask.sum()) == sum(t.generated_tokens for t in trajectories)
+    logp, _ = learner.sequence_logprobs(config, params, jax.tree.map(jnp.asarray, batch), temperature=0.9)
+    mask = batch.loss_mask == 1
+    np.testing.assert_allclose(np.asarray(logp)[mask], batch.sampler_logprobs[mask], atol=1e-5)
+
+
 def test_sft_steps_reduce_the_loss():
     optimizer = learner.make_optimizer(learning_rate=3e-3, warmup_steps=1, total_steps=30)
     state = learner.init_state(PARAMS, optimizer)

@@ -28,6 +28,7 @@ BAD = {
     "bad_logprobs": dict(sampler_logprobs=np.full(10, np.nan, np.float32)),
     "missing_version": dict(policy_version=np.full(10, -1, np.int32)),
     "non_finite_reward": dict(reward=float("inf")),
+    "bad_segments": dict(segment_starts=(6, 4)),
 }
 
 
@@ -86,3 +87,23 @@ def test_packing_keeps_every_token_and_separates_segments():
     assert int(batch.loss_mask.sum()) == sum(t.generated_tokens for t in trajectories)
     with pytest.raises(ValueError, match="exceeds row_length=40"):
         pack([_traj(n=41)], 40)
+
+
+def test_an_episode_of_several_learner_sequences_is_checked_and_packed_per_sequence():
+    """`segment_starts` cut one record into learner sequences: each must fit a row (not the whole
+    episode), none may begin with a generated token, and packing gives each its own attention
+    segment and positions, with the episode's advantage on every generated token."""
+    t = _traj(n=12, generated=(3, 4, 9, 10), segment_starts=(6,))
+    assert t.segments == [(0, 6), (6, 12)] and t.longest_segment == 6
+    assert validate(t, vocab_size=50, max_length=6) is None  # 12 tokens, but no sequence is longer than 6
+    assert validate(dataclasses.replace(t, segment_starts=(9,)), vocab_size=50, max_length=64) == "generated_first_token"
+    assert validate(dataclasses.replace(t, segment_starts=(12,)), vocab_size=50, max_length=64) == "bad_segments"
+    batch, rows = pack([t], 8)
+    assert rows == [[0], [0]]  # two sequences of 6 do not share a row of 8
+    for r, (a, b) in enumerate(t.segments):
+        np.testing.assert_array_equal(batch.tokens[r, :6], t.tokens[a:b])
+        np.testing.assert_array_equal(batch.positions[r, :6], np.arange(6))
+        np.testing.assert_array_equal(batch.segment_ids[r], [1] * 6 + [0] * 2)
+        np.testing.assert_array_equal(batch.advantages[r, :6], 0.5 * t.loss_mask[a:b])
+    assert Trajectory.from_dict(t.to_dict()).segment_starts == (6,)
+    assert Trajectory.from_dict({k: v for k, v in t.to_dict().items() if k != "segment_starts"}).segment_starts == ()
