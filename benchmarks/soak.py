@@ -188,7 +188,7 @@ class Soak:
             await intruder.close()
             async with grpc.aio.insecure_channel(address) as channel:
                 try:
-                    await channel.unary_unary("/jaxrl_agent.Sampler/UpdateWeights")(b"\x00" * 64, timeout=30)
+                    await channel.stream_unary("/jaxrl_agent.Sampler/StreamWeights")(iter([b"\x00" * 64]), timeout=30)
                     raw = None
                 except grpc.aio.AioRpcError as err:
                     raw = err.code()

@@ -28,7 +28,7 @@ _CHECKPOINT_ROOT = flags.DEFINE_string("checkpoint_root", None, "LoadCheckpoint 
 _TLS_CERT = flags.DEFINE_string("tls_cert_file", "", "PEM certificate (chain): serve TLS only.")
 _TLS_KEY = flags.DEFINE_string("tls_key_file", "", "The certificate's PEM private key.")
 _AWAIT_WEIGHTS = flags.DEFINE_bool("await_weights", False, "Answer sampling requests with UNAVAILABLE until weights "
-                                   "arrive (UpdateWeights or LoadCheckpoint): how the trainer starts its servers.")
+                                   "arrive (StreamWeights or LoadCheckpoint): how the trainer starts its servers.")
 flags.mark_flags_as_required(["config"])
 
 

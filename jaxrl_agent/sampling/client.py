@@ -27,7 +27,7 @@ import grpc
 from jaxrl_agent import auth
 
 from jaxrl_agent.sampling.types import Completion, PromptTooLongError, SamplingParams
-from jaxrl_agent.sampling.server import GRPC_OPTIONS, SERVICE, encode_weights
+from jaxrl_agent.sampling.server import GRPC_OPTIONS, SERVICE, WEIGHT_CHUNK_BYTES, weight_messages
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -49,8 +49,8 @@ class _Server:
         self.generate = signed(self.channel.unary_unary(f"/{SERVICE}/Generate", **as_json))
         self.info = signed(self.channel.unary_unary(f"/{SERVICE}/Info", **as_json))
         self.load_checkpoint = signed(self.channel.unary_unary(f"/{SERVICE}/LoadCheckpoint", **as_json))
-        self.update_weights = signed(self.channel.unary_unary(f"/{SERVICE}/UpdateWeights", request_serializer=None,
-                                                              response_deserializer=json.loads))
+        self.stream_weights = signed(self.channel.stream_unary(f"/{SERVICE}/StreamWeights", request_serializer=None,
+                                                               response_deserializer=json.loads))
         self.in_flight = 0
         self.down_until = 0.0
 
@@ -61,17 +61,22 @@ class SamplerClient:
     prefix affinity (least recently used dropped; 0 = off); affinity_slack extra requests in flight
     tolerated on the affine server before the least loaded one is used instead; token the servers'
     shared token (default: `auth.load_token()`); tls_ca_file the PEM CA that signed the servers' TLS
-    certificates (servers started with --tls_cert_file; None = plain gRPC, for loopback servers)."""
+    certificates (servers started with --tls_cert_file; None = plain gRPC, for loopback servers);
+    weight_chunk_bytes the most bytes of a parameter one StreamWeights message carries."""
 
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 300.0, cooldown_s: float = 5.0,
                  max_attempts: int | None = None, affinity_entries: int = 4096, affinity_slack: int = 32,
-                 token: str | None = None, tls_ca_file: str | None = None):
+                 token: str | None = None, tls_ca_file: str | None = None,
+                 weight_chunk_bytes: int = WEIGHT_CHUNK_BYTES):
+        if weight_chunk_bytes < 1:
+            raise ValueError(f"weight_chunk_bytes={weight_chunk_bytes}: expected >= 1")
         if not addresses:
             raise ValueError("SamplerClient needs at least one server address")
         token = token or auth.load_token()
         credentials = auth.grpc_channel_credentials(tls_ca_file) if tls_ca_file else None
         self._servers = [_Server(a, token, credentials) for a in addresses]
         self.timeout_s = timeout_s
+        self.weight_chunk_bytes = weight_chunk_bytes
         self.cooldown_s = cooldown_s
         self.max_attempts = max_attempts or 2 * len(addresses)
         self.affinity_entries = affinity_entries
@@ -160,19 +165,25 @@ class SamplerClient:
         return results, failures
 
     async def update_weights(self, params, version: int) -> dict[str, Exception]:
-        """Pushes weights to every server; returns {address: error} for servers that failed. The
-        payload is kept for `resync` (a restarted server gets the latest weights)."""
-        payload = encode_weights(params, version)
-        self._latest_weights = payload
-        _, failures = await self._each(lambda s: s.update_weights(payload, timeout=self.timeout_s))
+        """Streams weights to every server in chunks of `weight_chunk_bytes`; returns {address:
+        error} for servers that failed. A host copy is kept for `resync` (a restarted server gets
+        the latest weights)."""
+        import jax
+
+        host = jax.device_get(params)
+        self._latest_weights = (host, int(version))
+        _, failures = await self._each(lambda s: s.stream_weights(
+            weight_messages(host, version, self.weight_chunk_bytes), timeout=self.timeout_s))
         return failures
 
     async def resync(self, index: int) -> None:
         """Sends the latest weights again to server `index` (after a restart) and clears its cooldown."""
         server = self._servers[index]
-        payload = getattr(self, "_latest_weights", None)
-        if payload is not None:  # waits for the channel to reconnect (it backs off after refusals)
-            await server.update_weights(payload, timeout=self.timeout_s, wait_for_ready=True)
+        latest = getattr(self, "_latest_weights", None)
+        if latest is not None:  # waits for the channel to reconnect (it backs off after refusals)
+            host, version = latest
+            await server.stream_weights(weight_messages(host, version, self.weight_chunk_bytes),
+                                        timeout=self.timeout_s, wait_for_ready=True)
         server.down_until = 0.0
 
     async def load_checkpoint(self, path: str, version: int) -> dict[str, Exception]:

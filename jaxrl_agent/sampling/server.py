@@ -7,8 +7,9 @@ threads) and so the same KV-cache slots:
   generated token ids (JetStream's convention: the stop token is not streamed). Its requests have
   no sampling parameters and are decoded with the server's default sampling.
 * `jaxrl_agent.Sampler`, a JSON-over-gRPC service (no generated code needed): `Generate` returns
-  token ids with log-probs, policy versions and the finish reason; `UpdateWeights` takes new
-  parameters (msgpack bytes) or `LoadCheckpoint` an orbax path, tagged with a version; `Info`.
+  token ids with log-probs, policy versions and the finish reason; `StreamWeights` takes new
+  parameters as a stream of chunks of each array (`weight_messages`: no gRPC message cap, whatever
+  the model's size) or `LoadCheckpoint` an orbax path, tagged with a version; `Info`.
 
 Prompts longer than the engine's max prefill length are rejected (INVALID_ARGUMENT), never
 truncated. Our prefill thread never prepends a BOS: prompts arrive as complete id sequences.
@@ -297,7 +298,7 @@ class SamplerOrchestrator(orchestrator.LLMOrchestrator):
 
 
 class SamplerService:
-    """Our JSON service: Generate, UpdateWeights, LoadCheckpoint (below `checkpoint_root` only), Info."""
+    """Our JSON service: Generate, StreamWeights, LoadCheckpoint (below `checkpoint_root` only), Info."""
 
     checkpoint_root: str | None = None
 
@@ -330,17 +331,19 @@ class SamplerService:
             "finish_reason": chunks[-1].finish_reason if chunks else "length",
         }
 
-    async def update_weights(self, payload: bytes, context) -> dict:
-        from flax import serialization
-
-        (version,) = struct.unpack("<q", payload[:8])
-        params = serialization.msgpack_restore(payload[8:])
+    async def stream_weights(self, messages, context) -> dict:
+        """New weights as a stream of chunks (`weight_messages`): assembled in place, checked
+        complete, then swapped in; a bad or incomplete stream is refused and the old weights stay."""
+        assembly = WeightAssembly()
         try:
+            async for message in messages:
+                assembly.add(message)
+            version, params = assembly.result()
             await asyncio.to_thread(self.engine.update_weights, params, version)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, KeyError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad weights: {err}")
         self.driver.awaiting_weights = False
-        return {"version": self.engine.version}
+        return {"version": self.engine.version, "chunks": assembly.messages}
 
     async def load_checkpoint(self, request: dict, context) -> dict:
         import os
@@ -375,17 +378,88 @@ class SamplerService:
             "Generate": grpc.unary_unary_rpc_method_handler(self.generate, **as_json),
             "LoadCheckpoint": grpc.unary_unary_rpc_method_handler(self.load_checkpoint, **as_json),
             "Info": grpc.unary_unary_rpc_method_handler(self.info, **as_json),
-            "UpdateWeights": grpc.unary_unary_rpc_method_handler(
-                self.update_weights, request_deserializer=None, response_serializer=lambda r: json.dumps(r).encode()),
+            "StreamWeights": grpc.stream_unary_rpc_method_handler(
+                self.stream_weights, request_deserializer=None, response_serializer=lambda r: json.dumps(r).encode()),
         })
 
 
-def encode_weights(params, version: int) -> bytes:
-    """The UpdateWeights payload: little-endian int64 version, then msgpack of the parameters."""
-    import jax
-    from flax import serialization
+WEIGHT_CHUNK_BYTES = 16 * 2**20  # bytes of one parameter per StreamWeights message (benchmarks/weight_sync.py)
 
-    return struct.pack("<q", int(version)) + serialization.msgpack_serialize(jax.device_get(params))
+
+def weight_messages(params, version: int, chunk_bytes: int = WEIGHT_CHUNK_BYTES):
+    """StreamWeights' request stream for a parameter tree (nested dicts of arrays, on host or device):
+    each parameter's bytes in pieces of at most `chunk_bytes`. A message is a little-endian uint32
+    header length, the JSON header {version, name, dtype, shape, offset, leaves}, then the piece.
+    One array is copied to the host at a time; no message grows with the model."""
+    import jax
+    from flax import traverse_util
+
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: expected >= 1")
+    flat = traverse_util.flatten_dict(params, sep="/")
+    for name in sorted(flat):
+        array = np.ascontiguousarray(jax.device_get(flat[name]))
+        data = array.reshape(-1).view(np.uint8)
+        for offset in range(0, max(data.size, 1), chunk_bytes):
+            header = json.dumps({"version": int(version), "name": name, "dtype": array.dtype.name,
+                                 "shape": list(array.shape), "offset": offset, "leaves": len(flat)}).encode()
+            yield struct.pack("<I", len(header)) + header + data[offset:offset + chunk_bytes].tobytes()
+
+
+class WeightAssembly:
+    """Receives `weight_messages` into preallocated arrays; `result()` checks that every parameter
+    arrived whole, once, under one version."""
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+        self.received: dict[str, int] = {}
+        self.version: int | None = None
+        self.leaves: int | None = None
+        self.messages = 0
+
+    def add(self, message: bytes) -> None:
+        import jax.numpy as jnp
+
+        if len(message) < 4:
+            raise ValueError(f"a weight message of {len(message)} bytes has no header")
+        (size,) = struct.unpack("<I", message[:4])
+        try:
+            header = json.loads(message[4:4 + size])
+            version, name, offset = int(header["version"]), str(header["name"]), int(header["offset"])
+            shape, dtype, leaves = tuple(int(d) for d in header["shape"]), jnp.dtype(header["dtype"]), int(header["leaves"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"unreadable weight message header: {err}") from None
+        if self.version is None:
+            self.version, self.leaves = version, leaves
+        if (version, leaves) != (self.version, self.leaves):
+            raise ValueError(f"weight message of version {version} ({leaves} parameters) in a stream of version "
+                             f"{self.version} ({self.leaves} parameters)")
+        array = self.arrays.get(name)
+        if array is None:
+            array = self.arrays[name] = np.empty(shape, dtype)
+            self.received[name] = 0
+        elif array.shape != shape or array.dtype != dtype:
+            raise ValueError(f"parameter {name!r} arrived as {shape} {dtype} after {array.shape} {array.dtype}")
+        piece = np.frombuffer(message[4 + size:], np.uint8)
+        target = array.reshape(-1).view(np.uint8)
+        if offset < 0 or offset + piece.size > target.size:
+            raise ValueError(f"parameter {name!r}: bytes {offset}..{offset + piece.size} outside its {target.size}")
+        target[offset:offset + piece.size] = piece
+        self.received[name] += piece.size
+        self.messages += 1
+
+    def result(self):
+        """(version, nested parameter dict)."""
+        from flax import traverse_util
+
+        if self.version is None:
+            raise ValueError("an empty weight stream")
+        if len(self.arrays) != self.leaves:
+            raise ValueError(f"{len(self.arrays)} of {self.leaves} parameters arrived")
+        short = {n: (self.received[n], a.nbytes) for n, a in self.arrays.items() if self.received[n] != a.nbytes}
+        if short:
+            raise ValueError(f"parameters arrived incomplete or twice (bytes received, expected): {short}")
+        return self.version, traverse_util.unflatten_dict(self.arrays, sep="/")
 
 
 NO_WEIGHTS = "no weights yet: this server was started with await_weights and has not been sent any"
@@ -418,6 +492,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                      response_serializer=handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(refuse_stream, **kinds)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse, **kinds)
         return grpc.unary_unary_rpc_method_handler(refuse, **kinds)
 
 
@@ -427,7 +503,7 @@ async def serve(engine: AgentEngine, host: str = "127.0.0.1", port: int = 0, *, 
                 await_weights: bool = False) -> None:
     """Runs both services until cancelled. `ready(port)` is called once listening. `credentials`
     (`auth.grpc_server_credentials`): serve TLS only. `await_weights`: sampling requests get
-    UNAVAILABLE until the first UpdateWeights or LoadCheckpoint (clients retry them)."""
+    UNAVAILABLE until the first StreamWeights or LoadCheckpoint (clients retry them)."""
     if not token:
         raise auth.AuthError("the sampler server needs a token (jaxrl_agent.auth)")
     driver = SamplerDriver(engine, default_sampling, pipeline_depth=pipeline_depth)

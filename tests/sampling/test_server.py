@@ -251,6 +251,41 @@ def test_weight_updates_mid_stream_carry_versions(servers, tmp_path):
     assert [i["version"] for i in infos] == [20, 20]
 
 
+def test_weights_streamed_in_many_small_chunks_are_exact(servers):
+    """A weight sync has no message cap: with 4 KiB chunks the tiny model's weights travel in
+    hundreds of messages, and the servers then decode exactly as the reference does with them. A
+    stream that leaves a parameter out is refused and the servers keep their weights."""
+    from jaxrl_agent.sampling.server import weight_messages
+
+    addresses = [a for _, a in servers]
+    params3 = jax.tree.map(lambda x: x * 0.7, PARAMS)
+    chunks = len(list(weight_messages(params3, 31, 4096)))
+    assert chunks > 10 * len(jax.tree.leaves(PARAMS))
+    prompt = TOKENIZER.encode("Q: 3+4=?")
+
+    async def run():
+        client = SamplerClient(addresses, weight_chunk_bytes=4096)
+        failures = await client.update_weights(params3, 31)
+        streamed = await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        server = client._servers[0]
+        try:  # every message but the last: one parameter arrives short
+            await server.stream_weights(iter(list(weight_messages(PARAMS, 32, 4096))[:-1]), timeout=60)
+            short = None
+        except grpc.aio.AioRpcError as err:
+            short = err
+        infos = await client.info()
+        await client.update_weights(PARAMS, 33)  # back to the module's weights for the other tests
+        await client.close()
+        return failures, streamed, short, infos
+
+    failures, streamed, short, infos = _run(servers, run())
+    assert failures == {}
+    assert set(streamed.versions) == {31}
+    assert list(streamed.token_ids) == greedy_reference(prompt, 8, params3)
+    assert short is not None and short.code() == grpc.StatusCode.INVALID_ARGUMENT and "arrived" in short.details()
+    assert [i["version"] for i in infos] == [31, 31]
+
+
 def test_calls_without_the_token_and_checkpoints_outside_the_root_are_refused(servers, tmp_path):
     addresses = [a for _, a in servers]
 
