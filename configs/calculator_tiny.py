@@ -87,6 +87,9 @@ def get_config() -> ml_collections.ConfigDict:
     # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
     # this host, fed new weights over gRPC after every update (each with the slots above).
     config.sampler.num_servers = 0
+    # Servers only: the most MiB of one parameter per weight-sync message (weights are streamed in
+    # chunks, so no gRPC message cap limits the model's size).
+    config.sampler.weight_chunk_mb = 16
 
     config.env = ml_collections.ConfigDict()
     config.env.name = "calculator"  # Environment (see jaxrl_agent.envs.registered()).

@@ -229,7 +229,8 @@ class SamplerServers:
             raise
         with open(os.path.join(os.path.abspath(workdir), "sampler_servers.json"), "w") as f:
             json.dump({"addresses": self.addresses, "pids": [p.pid for p in self.processes]}, f)  # for operators
-        self.client = BackgroundSamplerClient(self.addresses, token=token, supervised=supervise)
+        self.client = BackgroundSamplerClient(self.addresses, token=token, supervised=supervise,
+                                              weight_chunk_bytes=int(config.sampler.weight_chunk_mb * 2**20))
         self._closing = threading.Event()
         self._monitor = None
         if supervise:
@@ -501,6 +502,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"tokenizer.template='model' reads the tokenizer folder's chat_template: it needs tokenizer.kind='hf', "
          f"not {tk.kind!r}")
     one_of("learner.master_dtype", config.learner.master_dtype, ("", "float32"))
+    need(config.sampler.weight_chunk_mb > 0,
+         f"sampler.weight_chunk_mb={config.sampler.weight_chunk_mb}: expected > 0 (MiB of a parameter per message)")
     need(config.rollout.top_k >= 0, f"rollout.top_k={config.rollout.top_k}: expected >= 0 (0 = off)")
     need(0.0 < config.rollout.top_p <= 1.0, f"rollout.top_p={config.rollout.top_p}: expected in (0, 1] (1 = off)")
     from jaxrl_agent.rollout import episode as episode_lib
@@ -642,7 +645,8 @@ def build_task_stream(config, environments: "Environments", levels: dict, *, see
     from jaxrl_agent import data, rollout
 
     if config.data.tasks == "procedural":
-        return rollout.source.ProceduralTasks(environments.environments, environments.weights, levels, seed=seed)
+        return rollout.source.ProceduralTasks(environments.environments, environments.weights, levels, seed=seed,
+                                              shard_index=jax.process_index(), shard_count=jax.process_count())
     return data.DatasetTasks(config.data.tasks, default_env=config.env.name, known_envs=list(environments.environments),
                              seed=seed, shuffle=config.data.shuffle, shard_index=jax.process_index(),
                              shard_count=jax.process_count(), tfds_data_dir=config.data.tfds_data_dir)
@@ -800,14 +804,19 @@ def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.M
     total = c.steps if sft else c.iterations * c.minibatches
     optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps, total_steps=total,
                                        grad_clip_norm=config.learner.grad_clip_norm)
-    state = learner.init_state(params, optimizer, ref_params=ref_params, seed=config.seed,
-                               master_dtype=config.learner.master_dtype or None)
-    step_fn, _ = learner.jit_train_step(
+    def make_state(params, ref_params):
+        return learner.init_state(params, optimizer, ref_params=ref_params, seed=config.seed,
+                                  master_dtype=config.learner.master_dtype or None)
+
+    step_fn, shardings = learner.jit_train_step(
         learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
                                 microbatches=config.learner.microbatches,
                                 temperature=1.0 if sft else config.rollout.temperature,
-                                logits_chunk=config.learner.logits_chunk), state, mesh)
-    return state, step_fn
+                                logits_chunk=config.learner.logits_chunk),
+        jax.eval_shape(make_state, params, ref_params), mesh)
+    # Made on the mesh, every leaf in its sharding (the optimizer's counters too): a checkpoint
+    # before the first update holds global arrays, as several processes need.
+    return jax.jit(make_state, out_shardings=shardings)(params, ref_params), step_fn
 
 
 def build_reference(config, mesh: jax.sharding.Mesh, params):
@@ -881,6 +890,7 @@ def build_rollout_source(config, sampler, environments: "Environments", tok, tem
                                    token_budget=schedule.token_budget, seed=config.seed)
     return rollout.source.RolloutSource(
         build_task_stream(config, environments, levels, seed=config.seed), runner, schedule,
-        prompts_per_iteration=r.prompts_per_iteration, group_size=r.group_size,
+        # The job's prompts per iteration, split over its processes (each samples its own groups).
+        prompts_per_iteration=max(1, sharding.process_share(r.prompts_per_iteration)), group_size=r.group_size,
         allocator=build_allocator(config, environments, levels), dynamic_sampling=config.allocation.dynamic_sampling,
         max_group=config.allocation.max_group)

@@ -32,6 +32,19 @@ class RunState:
     # The invariants' alarm states ({name: [active, streak]}); checkpoints written before they
     # existed restore with none active.
     invariants: dict = dataclasses.field(default_factory=dict)
+    # With several processes, each one's own {source, replay, rng} in process order (the fields
+    # above then hold process 0's); [] with one process.
+    processes: list = dataclasses.field(default_factory=list)
+
+    def for_process(self, index: int) -> "RunState":
+        """This run state with process `index`'s own source, replay and rng (itself with one process)."""
+        if not self.processes:
+            return self
+        if index >= len(self.processes):
+            raise ValueError(f"the checkpoint holds {len(self.processes)} processes' states; process {index} has "
+                             "none (resume with the number of processes that wrote it)")
+        own = self.processes[index]
+        return dataclasses.replace(self, source=own["source"], replay=own["replay"], rng=own["rng"])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -39,7 +52,7 @@ class RunState:
     @classmethod
     def from_dict(cls, d: dict) -> "RunState":
         fields = {f.name for f in dataclasses.fields(cls)}
-        optional = {"invariants"}
+        optional = {"invariants", "processes"}
         missing = sorted(fields - optional - set(d))
         if missing:
             raise ValueError(f"checkpoint run state lacks {missing}: written by an incompatible version")
@@ -77,8 +90,17 @@ class Checkpointer:
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
+        several = jax.process_count() > 1
+        if several:
+            # Orbax's default barrier is a device collective issued from its background threads,
+            # which interleaves with the run's own collectives differently on each process (a
+            # mismatch aborts the job); the coordination service's barrier does not touch devices.
+            from absl import flags
+
+            flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
         self.manager = ocp.CheckpointManager(
-            os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=not several))
 
     def save(self, step: int, state: dict[str, Any], run_state: RunState) -> None:
         """Writes one checkpoint; raises CheckpointWriteError (naming the step kept) when it cannot
@@ -193,6 +215,11 @@ def check_workdir(workdir: str, *, resume: bool) -> None:
         return
     held = [name for name in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(workdir, name))
             and (name != "checkpoints" or os.listdir(os.path.join(workdir, name)))]
+    if jax.process_count() > 1:  # every process refuses together (each looked before any of them wrote)
+        from jaxrl_agent import sharding
+
+        if sharding.agree_max([len(held)])[0] and not held:
+            held = ["another process's view of it"]
     if held:
         from jaxrl_agent.build import ConfigError
 

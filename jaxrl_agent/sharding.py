@@ -120,6 +120,74 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def put_batch(batch, mesh: Mesh):
+    """This process's rows of a learner batch (a pytree of [rows, ...] host arrays) as one global
+    array per leaf, rows over ('data', 'fsdp'): with several processes (`jax.distributed`) each holds
+    its own rows and the global batch is their concatenation in process order
+    (`jax.make_array_from_process_local_data`); with one process, the batch itself."""
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+
+
+def to_host(x) -> np.ndarray:
+    """A global array's whole value on this host (every process gets all of it; one collective when
+    the array spans several processes)."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def to_host_tree(tree):
+    """`to_host` of every leaf, with one collective for the whole tree when any leaf spans several
+    processes (a parameter tree sharded over a multi-process mesh); leaves already on this host
+    are returned as they are."""
+    leaves = jax.tree.leaves(tree)
+    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return tree
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def process_share(total: int, index: int | None = None, count: int | None = None) -> int:
+    """This process's part of a global count split over the processes (the first `total % count`
+    take one more): a config's batch sizes are the job's, whatever the number of processes."""
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    return total // count + (1 if index < total % count else 0)
+
+
+def gather_objects(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (`[obj]` with one process). Every
+    process must call it."""
+    import json
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    size = int(agree_max([data.size])[0])
+    padded = np.zeros(size + 8, np.uint8)
+    padded[:8] = np.frombuffer(np.int64(data.size).tobytes(), np.uint8)
+    padded[8:8 + data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
+    return [json.loads(row[8:8 + int(np.frombuffer(row[:8].tobytes(), np.int64)[0])].tobytes()) for row in rows]
+
+
+def agree_max(values) -> np.ndarray:
+    """The element-wise maximum of `values` (ints) over all processes; `values` itself with one
+    process. Every process must call it, with the same length."""
+    values = np.asarray(values, np.int64)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values)).reshape(jax.process_count(), -1).max(axis=0)
+
+
 def shard_params(params, mesh: Mesh, rules=PARAM_RULES):
     """Places parameters on the mesh according to the rules."""
     return jax.tree.map(jax.device_put, params, param_shardings(params, mesh, rules))

@@ -47,6 +47,9 @@ class RunStopped(RuntimeError):
     are kept): a run of non-finite updates, a checkpoint that could not be written."""
 
 
+# Why RL ends before `rl.iterations`, in order of precedence when processes disagree.
+STOP_REASONS = (None, "time_budget", "trained_tokens")
+
 # Stages logged during RL: their global step is `sft.steps` + the RL iteration.
 RL_STAGES = ("rl", "rl_eval", "rl_end", "resume", "alarm", "response")
 
@@ -132,13 +135,14 @@ class Run:
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
         """Writes a checkpoint; one that cannot be written stops the run cleanly (the previous one is kept)."""
         step = self.config.sft.steps + iteration
+        own = {"source": source.state_dict() if source is not None else {}, "replay": self.buffer.state_dict(),
+               "rng": checkpoint.rng_state(self.rng)}
+        processes = sharding.gather_objects(own) if jax.process_count() > 1 else []  # each resumes its own
         try:
             self.checkpointer.save(step, checkpoint.learner_arrays(state, self.judge_params), checkpoint.RunState(
                 stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
-                trained_tokens_total=self.trained_tokens_total,
-                source=source.state_dict() if source is not None else {}, replay=self.buffer.state_dict(),
-                rng=checkpoint.rng_state(self.rng),
-                invariants=self.invariants.to_dict() if self.invariants is not None else {}))
+                trained_tokens_total=self.trained_tokens_total, **own,
+                invariants=self.invariants.to_dict() if self.invariants is not None else {}, processes=processes))
         except (checkpoint.CheckpointWriteError, OSError) as err:
             if not isinstance(err, checkpoint.CheckpointWriteError):  # raised before orbax was reached
                 err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
@@ -202,6 +206,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         raise
     checkpointer = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
     resume = checkpointer.latest() if config.resume else None
+    resume = resume.for_process(jax.process_index()) if resume is not None else None
     skipped_checkpoints = list(getattr(checkpointer, "skipped", [])) if config.resume else []
     if config.resume and resume is None and skipped_checkpoints:
         checkpointer.close()
@@ -233,7 +238,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         # Wall time of the run so far: this process since it started building, plus what earlier
         # segments of a resumed run recorded in their last checkpoint.
         started=started - (resume.elapsed_seconds if resume is not None else 0.0),
-        rng=np.random.RandomState(config.seed), params=params,
+        rng=np.random.RandomState(config.seed + 7919 * jax.process_index()), params=params,  # per process
         invariant_settings=build.invariant_settings(config))
 
 
@@ -245,20 +250,21 @@ def run_sft(run: Run) -> None:
         return
     state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, sft=True)
     row_multiple = learner.row_multiple_for(run.mesh, config.learner.row_multiple)
+    # With several processes each draws its own demonstrations (its own seed range).
     demonstrations = build.build_demonstrations(config, run.environments, run.sft_levels, run.tokenizer, run.template,
-                                                first_seed=DEMONSTRATION_SEED_OFFSET)
+                                                first_seed=DEMONSTRATION_SEED_OFFSET + jax.process_index() * 10_000_000)
     if demonstrations.info is not None:
         run.log("data", 0, demonstrations.info)
     skipped, start = 0, time.perf_counter()
     run.writer.console.bar("sft", c.steps, unit="step")
     for step in range(1, c.steps + 1):
-        trajectories = demonstrations.sample(run.rng, c.batch_size)
+        trajectories = demonstrations.sample(run.rng, sharding.process_share(c.batch_size))  # this process's part
         # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
         fitting = [t for t in trajectories if t.longest_segment <= config.learner.row_length]
         skipped += len(trajectories) - len(fitting)
-        batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=row_multiple,
+        batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=learner.local_row_multiple(row_multiple),
                                target_multiple=config.learner.target_multiple)
-        state, metrics = step_fn(state, jax.device_put(batch, sharding.batch_sharding(run.mesh)))
+        state, metrics = step_fn(state, learner.global_batch(batch, run.mesh))
         postfix = None
         if _every(c.log_every, step) or step == c.steps:
             metrics = jax.device_get(metrics)
@@ -335,6 +341,9 @@ def run_rl(run: Run) -> None:
                 reason = "trained_tokens"
             elif iteration < c.iterations and not _time_for_another_iteration(run, durations):
                 reason = "time_budget"
+            # Every process stops at the same iteration (the first reason any of them has), or the
+            # others would wait in the next step's collectives for one that has left.
+            reason = STOP_REASONS[int(sharding.agree_max([STOP_REASONS.index(reason)])[0])]
             if reason is not None:
                 # End as a finished run does: a checkpoint and an evaluation of this iteration
                 # (unless the iteration's schedule already made them).
@@ -383,7 +392,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         if run.invariant_settings.respond else None)
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
-    if batch:
+    if learner_metrics:  # an update was made (by every process: with several, some may have had no rows)
         run.push_weights(state.params)
     learn_seconds = time.perf_counter() - learn_started
     suspended = source.runner.clock.suspended  # episodes that spent this iteration's token budget

@@ -31,7 +31,9 @@ TESTED_BLOCKS = {
     'pip install -U pip -e ".[test]" && python -m pytest': "test_ci_runs_the_quick_start_test_command",
     "objective_from_loss(my_loss": "test_research_script_runs",
     "--config.rl.objective=ppo": "test_objective_override_command_runs",
-    "--config.checkpoint.hf_path=/models/Qwen3-0.6B": "test_real_model_commands_run",
+    "jaxrl-agent train --mode smoke --config configs/hf_model.py": "test_real_model_commands_run",
+    "huggingface-cli download Qwen/Qwen3-0.6B": "test_qwen3_section_commands_run (slow)",
+    "launch/local_cluster.py -n 2": "test_local_cluster_command_runs (slow)",
     "jaxrl-agent env-server": "test_several_hosts_commands_run (slow)",
 }
 
@@ -171,7 +173,7 @@ def test_real_model_commands_run(tmp_path):
     models.save_hf(str(folder), config, models.init_params(config, jax.random.PRNGKey(0)))
     hf_reference.train_tiny_hf_tokenizer(folder)
     smoke, train, export = [c.replace("/models/Qwen3-0.6B", str(folder)) for c in
-                            _commands(_block("--config.checkpoint.hf_path=/models/Qwen3-0.6B"))]
+                            _commands(_block("jaxrl-agent train --mode smoke --config configs/hf_model.py"))]
     done = _run(smoke, cwd=tmp_path)
     assert done.returncode == 0 and "'architecture': 'qwen3'" in done.stdout, done.stderr[-3000:]
     quick = {k: v for k, v in QUICK.items() if not k.startswith("model.")}
@@ -182,6 +184,57 @@ def test_real_model_commands_run(tmp_path):
     exported_config, exported = models.load_hf(str(tmp_path / "runs" / "qwen3" / "hf"))
     assert exported_config.architecture == "qwen3" and exported_config.hidden_size == 32
     assert (tmp_path / "runs" / "qwen3" / "hf" / "tokenizer.json").exists()
+
+
+def _run_python(command, *, cwd, overrides=None, timeout=900, env=None):
+    """Runs a README `python launch/... ` command from a checkout (paths under ROOT), with
+    `overrides` appended as --config flags."""
+    args = shlex.split(command.replace("configs/", f"{ROOT}/configs/").replace("launch/", f"{ROOT}/launch/"))
+    assert args[0] == "python", command
+    args += [f"--config.{k}={v}" for k, v in (overrides or {}).items()]
+    return subprocess.run([sys.executable, *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **ONE_DEVICE, **(env or {})})
+
+
+def _tiny_qwen3_folder(folder):
+    config = models.ModelConfig(architecture="qwen3", qk_norm=True, vocab_size=400, hidden_size=32,
+                                intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    models.save_hf(str(folder), config, models.init_params(config, jax.random.PRNGKey(0)))
+    hf_reference.train_tiny_hf_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.slow  # SFT and RL of the Qwen3 config on a tiny folder (~2 min); CI's slow pass runs it
+def test_qwen3_section_commands_run(tmp_path):
+    """'Agentic RL on Qwen3 with one GPU or TPU' on a tiny random Qwen3 folder standing in for the
+    download (the install line needs a GPU or TPU host and is not run): smoke, train, export."""
+    folder = _tiny_qwen3_folder(tmp_path / "Qwen3-0.6B")
+    commands = [c for c in _commands(_block("huggingface-cli download Qwen/Qwen3-0.6B")) if not c.startswith(("#", "pip "))]
+    smoke, train, export = [c.replace("/models/Qwen3-0.6B", str(folder)) for c in commands]
+    done = _run(smoke, cwd=tmp_path)
+    assert done.returncode == 0 and "'architecture': 'qwen3'" in done.stdout, done.stderr[-3000:]
+    quick = {k: v for k, v in QUICK.items() if not k.startswith("model.")}
+    done = _run_python(train, cwd=tmp_path, overrides={**quick, "sft.steps": 2, "rollout.max_context": 1024})
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "runs" / "qwen3_0_6b_agentic" / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [1, 2]
+    done = _run_python(export, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported_config, _ = models.load_hf(str(tmp_path / "runs" / "qwen3_0_6b_agentic" / "hf"))
+    assert exported_config.architecture == "qwen3" and exported_config.hidden_size == 32
+
+
+@pytest.mark.slow  # two training processes (~1 min); CI's slow pass runs it
+def test_local_cluster_command_runs(tmp_path):
+    """'Several hosts': the local_cluster.py command, two processes of 4 simulated devices each."""
+    (command,) = _commands(_block("launch/local_cluster.py -n 2"))
+    quick = {**QUICK, "workdir": tmp_path / "run", "rl.time_budget_minutes": 0, "rollout.drop_zero_advantage_groups": False}
+    done = _run_python(command, cwd=tmp_path, overrides=quick, env={"XLA_FLAGS": ""})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    start = next(r for r in records if r["stage"] == "start")
+    assert start["processes"] == 2 and start["devices"] == 8
+    assert [r["step"] for r in records if r["stage"] == "rl"] == [1, 2]
 
 
 @pytest.mark.slow

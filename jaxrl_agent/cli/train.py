@@ -20,6 +20,8 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.ini
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-host).")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 30,
+                                  "Multi-host: a process whose peer stops answering for this long stops too.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -28,7 +30,11 @@ def main(argv):
     import jax
 
     if _DISTRIBUTED.value or _COORDINATOR.value:
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        # Collectives between CPU processes (tests, launch/local_cluster.py) go through gloo; GPU
+        # and TPU processes use their own interconnect whatever this says.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                   heartbeat_timeout_seconds=_HEARTBEAT.value)
     # Quiet orbax / absl INFO chatter: the run's own progress is printed to stdout.
     logging.set_verbosity(logging.WARNING)
     from jaxrl_agent import config_lib

@@ -55,33 +55,37 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     `PackedBatch.loss_controls` row (entropy bonus, IcePop on, 0), put on every row."""
     from jaxrl_agent import replay
 
-    if not trajectories:
+    # With several processes (jax.distributed) each holds its own trajectories, and the global batch
+    # of a step is every process's rows: the processes agree on the number of steps and on each
+    # batch's shape first (the largest of theirs; padding rows and target columns train nothing).
+    if jax.process_count() == 1 and not trajectories:
         return state, {}
     order = rng.permutation(len(trajectories))
+    parts = np.array_split(order, minibatches)
+    sizes = sharding.agree_max([len(part) for part in parts])
+    if not sizes.any():
+        return state, {}
     batches = []
-    for part in np.array_split(order, minibatches):
-        if len(part) == 0:
+    for part, size in zip(parts, sizes):
+        if not size:
             continue
-        batch, _ = replay.pack([trajectories[i] for i in part], row_length, row_multiple=row_multiple,
-                               target_multiple=target_multiple)
-        if loss_controls is not None:
-            batch = batch.replace(loss_controls=np.tile(np.asarray(loss_controls, np.float32)[None, :],
-                                                        (batch.tokens.shape[0], 1)))
-        batches.append(jax.device_put(batch, sharding.batch_sharding(mesh)))
+        batch = replay.pack([trajectories[i] for i in part], row_length,
+                            row_multiple=local_row_multiple(row_multiple), target_multiple=target_multiple)[0]
+        batches.append(global_batch(batch, mesh, loss_controls))
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
     measure = logprobs_fn is not None and current_version is not None
     if measure:  # before any update: the parameters the sampler holds (the step donates them)
         start = batches[0].old_logprobs if proximal_logprobs is not None else logprobs_fn(state.params, batches[0])
-        start = np.asarray(jax.device_get(start))
+        start = sharding.to_host(start)
     metrics, skipped = {}, []
     for batch in batches:
         state, metrics = step_fn(state, batch)
         skipped.append(metrics["update_skipped"])
     out = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if measure:
-        out.update(_drift(start, np.asarray(jax.device_get(logprobs_fn(state.params, batches[0]))),
-                          jax.device_get(batches[0]), current_version))
+        out.update(_drift(start, sharding.to_host(logprobs_fn(state.params, batches[0])),
+                          jax.tree.map(sharding.to_host, batches[0]), current_version))
     # Every step's skip flag (a non-finite loss or gradient leaves the parameters as they were), in order.
     out["update_skipped"] = float(sum(jax.device_get(skipped)))
     out["update_skipped_flags"] = [bool(flag) for flag in jax.device_get(skipped)]
@@ -101,6 +105,32 @@ def _drift(start: np.ndarray, end: np.ndarray, batch: PackedBatch, current_versi
         x = np.clip((end - start)[sampled].astype(np.float64), -20.0, 20.0)  # log pi_end / pi_start
         out["invariants/drift/policy_kl"] = float(np.mean(np.exp(x) - 1.0 - x))  # k3 of KL(start || end)
     return out
+
+
+def _targets(batch: PackedBatch) -> int:
+    return 0 if batch.target_index is None else batch.target_index.shape[1]
+
+
+def local_row_multiple(row_multiple: int) -> int:
+    """What each process's rows must be a multiple of so that all processes' rows together are a
+    multiple of `row_multiple` (`row_multiple` itself with one process)."""
+    return row_multiple // math.gcd(row_multiple, jax.process_count())
+
+
+def global_batch(batch: PackedBatch, mesh: jax.sharding.Mesh, loss_controls: Sequence[float] | None = None
+                 ) -> PackedBatch:
+    """This process's packed rows as its share of one global batch on `mesh`. With several
+    processes every one must call this for the same step: they agree on the shape first (the most
+    rows and trained positions of any; padding trains nothing), then each contributes its rows
+    (`sharding.put_batch`). `loss_controls`: the step's `PackedBatch.loss_controls` row, put on every row."""
+    from jaxrl_agent import replay
+
+    rows, targets = sharding.agree_max([batch.tokens.shape[0], _targets(batch)])
+    batch = replay.pad_batch(batch, int(rows), int(targets))
+    if loss_controls is not None:
+        batch = batch.replace(loss_controls=np.tile(np.asarray(loss_controls, np.float32)[None, :],
+                                                    (batch.tokens.shape[0], 1)))
+    return sharding.put_batch(batch, mesh)
 
 
 def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int) -> int:

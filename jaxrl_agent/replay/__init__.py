@@ -1,7 +1,7 @@
 """Token-level trajectories, their validation, the replay buffer, and packing into learner batches."""
 
 from jaxrl_agent.replay.buffer import ReplayBuffer
-from jaxrl_agent.replay.packing import pack, target_index
+from jaxrl_agent.replay.packing import pack, pad_batch, target_index
 from jaxrl_agent.replay.trajectory import SCHEMA_VERSION, Trajectory, validate
 
-__all__ = ["ReplayBuffer", "SCHEMA_VERSION", "Trajectory", "pack", "target_index", "validate"]
+__all__ = ["ReplayBuffer", "SCHEMA_VERSION", "Trajectory", "pack", "pad_batch", "target_index", "validate"]

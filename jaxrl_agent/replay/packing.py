@@ -82,3 +82,26 @@ def target_index(loss_mask: np.ndarray, multiple: int) -> np.ndarray:
     k = min(max(1, -(-int(mask.sum(axis=1).max()) // multiple) * multiple), mask.shape[1])
     order = np.argsort(~mask, axis=1, kind="stable")[:, :k]  # trained positions first, in order
     return np.where(np.take_along_axis(mask, order, axis=1), order, 0).astype(np.int32)
+
+
+def pad_batch(batch: PackedBatch, rows: int, targets: int = 0) -> PackedBatch:
+    """`batch` with padding rows up to `rows` (segment 0, nothing trained, version -1) and its
+    `target_index` padded with 0 columns up to `targets` (0 = padding there too); neither changes
+    what is trained. Raises ValueError when `batch` is already larger."""
+    have = batch.tokens.shape[0]
+    if rows < have or (batch.target_index is not None and targets < batch.target_index.shape[1]):
+        raise ValueError(f"cannot pad a batch of {have} rows and "
+                         f"{0 if batch.target_index is None else batch.target_index.shape[1]} targets down to "
+                         f"{rows} rows and {targets} targets")
+
+    def grow(x, fill=0):
+        return np.concatenate([x, np.full((rows - have, *x.shape[1:]), fill, x.dtype)]) if rows > have else x
+
+    padded = {name: grow(np.asarray(getattr(batch, name)), -1 if name == "policy_version" else 0)
+              for name in ("tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs",
+                           "old_logprobs", "policy_version")}
+    index = batch.target_index
+    if index is not None:
+        index = np.asarray(index)
+        index = grow(np.pad(index, ((0, 0), (0, targets - index.shape[1]))))
+    return batch.replace(**padded, target_index=index)

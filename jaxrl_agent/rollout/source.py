@@ -35,16 +35,21 @@ class ProceduralTasks:
       weights: {name: sampling weight} (normalised here).
       levels: {name: the levels to draw from}.
       seed: the stream's seed.
+      shard_index, shard_count: this process's disjoint share of the task seeds (task k of this
+        stream has seed k * shard_count + shard_index; e.g. jax.process_index(), jax.process_count()).
     """
 
     def __init__(self, environments: Mapping[str, env_api.Environment], weights: Mapping[str, float],
-                 levels: Mapping[str, Sequence[int]], seed: int = 0):
+                 levels: Mapping[str, Sequence[int]], seed: int = 0, *, shard_index: int = 0, shard_count: int = 1):
+        if not 0 <= shard_index < shard_count:
+            raise ValueError(f"shard_index={shard_index} is not in [0, shard_count={shard_count})")
         self.environments = dict(environments)
         self.names = list(weights)
         p = np.asarray([weights[n] for n in self.names], np.float64)
         self.p = p / p.sum()
         self.levels = {n: tuple(levels[n]) for n in self.names}
-        self.rng = np.random.RandomState(seed)
+        self.rng = np.random.RandomState(seed + 1_000_003 * shard_index)
+        self.shard_index, self.shard_count = shard_index, shard_count
         self.next_seed = 0
 
     @property
@@ -58,7 +63,8 @@ class ProceduralTasks:
             name = self.names[0] if len(self.names) == 1 else self.names[self.rng.choice(len(self.names), p=self.p)]
             levels = self.levels[name]
             difficulty = levels[self.rng.randint(len(levels))]
-            tasks.append(self.environments[name].sample_task(self.next_seed, difficulty))
+            tasks.append(self.environments[name].sample_task(self.next_seed * self.shard_count + self.shard_index,
+                                                             difficulty))
             self.next_seed += 1
         return tasks
 

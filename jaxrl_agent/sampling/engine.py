@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_agent import models
+from jaxrl_agent import models, sharding
 from jaxrl_agent.sampling import decoding
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams  # noqa: F401 - re-exported
@@ -205,7 +205,8 @@ class AgentEngine(engine_api.Engine):
             raise ValueError("max_cache_length must be >= max_prefill_length")
         self.steps_per_call = steps_per_call
         self.stop_token_ids = tuple(stop_token_ids if stop_token_ids is not None else (tokenizer.eos_id,))
-        self._mesh = mesh or jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+        # This process's first device: with several processes (jax.distributed) each samples on its own.
+        self._mesh = mesh or jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), ("data",))
         self._lock = threading.Lock()
         # With tied embeddings on CPU the decode loop reads the output projection as a materialised
         # [H, V] copy of the embedding's transpose, made once per weight update (see models.extend):
@@ -216,10 +217,10 @@ class AgentEngine(engine_api.Engine):
         # per update: sliced out of the stacked arrays inside every `generate` call, every layer's
         # weights were copied per call (~0.6 ms of a 16-step call here; the whole model per call
         # for a 0.6B one). `param_template()` keeps the stacked tree's shapes for checkpoints.
-        self._template = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), params)
-        self._params = models.unstack_layers(params)
-        self._kernel = self._output_kernel_fn(self._params) if self._output_kernel_fn else None
+        # The engine's weights live on its own mesh (replicated), whatever mesh the learner's are on.
+        local = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local), params)
+        self._params, self._kernel = self._own_copy(params)
         self._version = int(version)
         self._seed = seed
         if prefix_cache_entries < 0:
@@ -259,14 +260,20 @@ class AgentEngine(engine_api.Engine):
     def update_weights(self, params, version: int) -> None:
         """New weights (the stacked tree of `param_template()`) for every call from now on; tokens
         they sample carry `version`."""
-        # The engine keeps its own copy: the learner donates its parameter buffers to the next
-        # train step, which may run while this engine is still sampling (asynchronous schedules).
+        params, kernel = self._own_copy(params)
+        with self._lock:
+            self._params, self._kernel, self._version = params, kernel, int(version)
+
+    def _own_copy(self, params):
+        """(unstacked params, output kernel or None) on this engine's mesh, copied: the learner
+        donates its parameter buffers to the next train step, which may run while this engine is
+        still sampling (asynchronous schedules). Parameters sharded over several processes are
+        gathered first (every process calls this at the same point)."""
+        params = sharding.to_host_tree(params)
         params = jax.tree.map(lambda new, like: jax.device_put(jnp.array(new, like.dtype, copy=True), like.sharding),
                               params, self._template)
         params = models.unstack_layers(params)
-        kernel = self._output_kernel_fn(params) if self._output_kernel_fn else None
-        with self._lock:
-            self._params, self._kernel, self._version = params, kernel, int(version)
+        return params, (self._output_kernel_fn(params) if self._output_kernel_fn else None)
 
     # ---------------------------------------------------------------- JetStream Engine API
     def load_params(self, *args, **kwargs):

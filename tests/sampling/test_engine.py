@@ -410,3 +410,33 @@ def test_requests_of_different_lengths_through_many_slots_decode_exactly():
         assert list(completion.token_ids) == expected, prompt
         np.testing.assert_allclose(completion.logprobs, expected_lps, atol=1e-5)
     assert max(calls) == 16 and min(calls) == 8  # 12 requests never need more than 16 of the 64 slots
+
+
+def test_weight_messages_reassemble_bit_exactly_and_bad_streams_are_named():
+    """`weight_messages` -> `WeightAssembly` is the identity on a parameter tree (float32 and
+    bfloat16, empty arrays, any chunk size); streams that are short, mixed or corrupt are refused."""
+    import jax.numpy as jnp
+
+    from jaxrl_agent.sampling.server import WeightAssembly, weight_messages
+
+    rng = np.random.RandomState(0)
+    tree = {"a": {"kernel": rng.randn(7, 5).astype(np.float32), "bias": np.zeros((0,), np.float32)},
+            "b": jnp.asarray(rng.randn(33), jnp.bfloat16), "c": np.arange(10, dtype=np.int32)}
+    for chunk in (1, 3, 64, 1 << 20):
+        assembly = WeightAssembly()
+        for message in weight_messages(tree, 9, chunk):
+            assembly.add(message)
+        version, back = assembly.result()
+        assert version == 9
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
+            assert np.asarray(x).dtype == y.dtype and np.asarray(x).shape == y.shape
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), y.view(np.uint8))
+    messages = list(weight_messages(tree, 9, 16))
+    for broken, match in ((messages[:-1], "incomplete"), (messages + messages[-1:], "incomplete or twice"),
+                          (messages[:3] + list(weight_messages(tree, 10, 16))[3:], "version 10"), ([], "empty"),
+                          ([b"\x01"], "no header"), ([b"\x04\x00\x00\x00{}{}"], "header")):
+        assembly = WeightAssembly()
+        with pytest.raises(ValueError, match=match):
+            for message in broken:
+                assembly.add(message)
+            assembly.result()
