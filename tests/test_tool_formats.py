@@ -75,11 +75,12 @@ def test_an_expert_episode_in_qwen3s_format(qwen3_tokenizer_dir):
         "calc", {"expr": task.verifier["expr"]}))) + "<|im_end|>", f"<answer>{task.verifier['answer']}</answer><|im_end|>"]
 
 
-class ThinkingSampler:
-    """Replies like a thinking Qwen3: a think block, then the expert's action in Qwen3's form."""
+class ScriptedQwen3:
+    """Replies like Qwen3: the expert's action in Qwen3's form, after a think block when `think`
+    (thinking on), or alone (thinking off: the generation prompt holds the empty think block)."""
 
-    def __init__(self, tok):
-        self.tok, self.prompts, self.replies = tok, [], []
+    def __init__(self, tok, think=True):
+        self.tok, self.think, self.prompts, self.replies = tok, think, [], []
 
     async def generate(self, prompt_ids, sampling):
         self.prompts.append(list(prompt_ids))
@@ -89,7 +90,8 @@ class ThinkingSampler:
             action = tool_formats.get("qwen3").from_env(tp.format_tool_call(tp.ToolCall("calc", {"expr": expr})))
         else:
             action = "<answer>" + text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0] + "</answer>"
-        ids = self.tok.encode(f"<think>\nturn {len(self.prompts)}: use the tool.\n</think>\n\n{action}<|im_end|>")
+        thought = f"<think>\nturn {len(self.prompts)}: use the tool.\n</think>\n\n" if self.think else ""
+        ids = self.tok.encode(f"{thought}{action}<|im_end|>")
         self.replies.append(ids)
         return Completion(tuple(ids), tuple(-0.25 for _ in ids), tuple(7 for _ in ids), "stop")
 
@@ -100,7 +102,7 @@ def test_a_thinking_rollouts_learner_row_is_what_the_sampler_conditioned_on_turn
     tok, template = _qwen3(qwen3_tokenizer_dir, True)
     env = envs.make("calculator")
     task = env.sample_task(11, 2)
-    sampler = ThinkingSampler(tok)
+    sampler = ScriptedQwen3(tok)
     settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=200), max_context=4000,
                                        max_turns=4, include_system_prompt=True, tool_format="qwen3")
     t = asyncio.run(rollout.run_episode(sampler, rollout.InProcessEnv(env), task, tok, template, settings))
@@ -164,26 +166,6 @@ def test_the_think_budget_closes_the_block_with_template_tokens_and_the_policy_a
     assert sampler.calls[1][0] == row[:start + 24 + len(close)]
 
 
-class PlainSampler:
-    """Replies like Qwen3 with thinking off (its generation prompt holds the empty think block): the
-    expert's action in Qwen3's form, nothing else."""
-
-    def __init__(self, tok):
-        self.tok, self.prompts, self.replies = tok, [], []
-
-    async def generate(self, prompt_ids, sampling):
-        self.prompts.append(list(prompt_ids))
-        text = self.tok.decode(prompt_ids)
-        if "<tool_response>" not in text:
-            expr = text.split("Q: ")[1].split("=?")[0]
-            action = tool_formats.get("qwen3").from_env(tp.format_tool_call(tp.ToolCall("calc", {"expr": expr})))
-        else:
-            action = "<answer>" + text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0] + "</answer>"
-        ids = self.tok.encode(f"{action}<|im_end|>")
-        self.replies.append(ids)
-        return Completion(tuple(ids), tuple(-0.5 for _ in ids), tuple(3 for _ in ids), "stop")
-
-
 def _hf_prompt(folder, messages, tools, thinking):
     import transformers
 
@@ -203,7 +185,7 @@ def test_thinking_off_each_turns_context_is_the_templates_and_a_rewrite_starts_a
     assert template.rewritten_history() is not None
     env = envs.make("calculator")
     task = env.sample_task(11, 2)
-    sampler = PlainSampler(tok)
+    sampler = ScriptedQwen3(tok, think=False)
     settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=200), max_context=4000,
                                        max_turns=4, include_system_prompt=True, tool_format="qwen3")
     t = asyncio.run(rollout.run_episode(sampler, rollout.InProcessEnv(env), task, tok, template, settings))
@@ -229,7 +211,7 @@ def test_thinking_off_each_turns_context_is_the_templates_and_a_rewrite_starts_a
     assert int(batch.loss_mask.sum()) == sum(len(r) for r in sampler.replies)
     assert replay.validate(t, vocab_size=tok.vocab_size, max_length=max(b - a for a, b in t.segments)) is None
     # 'append' keeps one append-only sequence (what the sampler then sees in turn 2 is not the template's).
-    appended = PlainSampler(tok)
+    appended = ScriptedQwen3(tok, think=False)
     one = asyncio.run(rollout.run_episode(appended, rollout.InProcessEnv(envs.make("calculator")), task, tok, template,
                                           rollout.EpisodeSettings(**{**settings.__dict__, "history": "append"})))
     assert one.segment_starts == () and appended.prompts[1] != sampler.prompts[1]
@@ -242,7 +224,7 @@ def test_an_expert_episode_with_thinking_off_is_split_as_a_sampled_one_is(qwen3_
     t = rollout.expert_trajectory(env, task, envs.expert_policy("calculator"), tok, template,
                                   include_system_prompt=True, tool_format="qwen3")
     sampled = asyncio.run(rollout.run_episode(
-        PlainSampler(tok), rollout.InProcessEnv(envs.make("calculator")), task, tok, template,
+        ScriptedQwen3(tok, think=False), rollout.InProcessEnv(envs.make("calculator")), task, tok, template,
         rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=200), max_context=4000,
                                 max_turns=4, include_system_prompt=True, tool_format="qwen3")))
     assert t.segment_starts == sampled.segment_starts and t.tokens.tolist() == sampled.tokens.tolist()
