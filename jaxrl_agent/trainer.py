@@ -422,6 +422,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             **judge_metrics,
             **run.environments.stats(),
         })
+    # With several processes, the job's numbers (every process gets the same record back).
+    record = metrics_lib.job_record(record, keep=tuple(learner_metrics))
     outcome = invariants.monitor.step(run.invariant_settings, run.invariants, record,
                                       num_levels=min(len(v) for v in run.train_levels.values()))
     for warning in outcome.warnings:

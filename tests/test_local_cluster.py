@@ -55,6 +55,8 @@ def test_a_two_process_run_trains_and_reports_once_from_process_zero(tmp_path):
     assert start["processes"] == 2 and start["devices"] == 4  # 2 simulated CPU devices each
     rl = [r for r in records if r["stage"] == "rl"]
     assert all(r["trained_tokens"] > 0 and r["learner_step"] > 0 for r in rl), rl  # the global step ran
+    # The job's numbers: each process sampled 1 of the 2 prompts (x 2 samples); the record sums them.
+    assert all(r["rollouts"] == 4 and sum(r["finish_reasons"].values()) == 4 for r in rl), rl
     assert any(r["stage"] == "rl_eval" for r in records)
     assert (tmp_path / "run" / "checkpoints").exists()
     assert "metrics written to" in done.stdout and "[1] metrics written" not in done.stderr

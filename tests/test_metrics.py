@@ -62,3 +62,23 @@ def test_entropy_by_env_is_the_mean_negative_logprob_of_sampled_tokens():
     out = metrics.entropy_by_env([T("a", [0.0, -1.0, -2.0], [0, 1, 1]), T("a", [-3.0, -9.0], [1, 0]),
                                   T("b", [-0.5], [1])])
     assert out == {"a": pytest.approx(2.0), "b": pytest.approx(0.5)}
+
+
+def test_per_process_records_combine_into_the_jobs():
+    """Several processes' records of one iteration: counts add, the slowest seconds and largest
+    maxima stand, minima take the smallest, means average, count dicts add, lists concatenate,
+    and the `keep` keys (already global, e.g. the learner's) are process 0's."""
+    from jaxrl_agent.metrics import combine_process_records
+
+    a = {"rollouts": 4, "success": 0.5, "sample_seconds": 2.0, "policy_lag_max": 1, "invariants/exploration/entropy_min": 0.3,
+         "finish_reasons": {"answer": 3, "max_turns": 1}, "task_ids": ["a"], "loss": 0.7, "rollouts/calc": 4,
+         "env_service/env_crash": 1, "schedule": "sync"}
+    b = {"rollouts": 2, "success": 1.0, "sample_seconds": 3.0, "policy_lag_max": 2, "invariants/exploration/entropy_min": 0.1,
+         "finish_reasons": {"answer": 2}, "task_ids": ["b", "c"], "loss": 0.7, "rollouts/calc": 2,
+         "env_service/env_crash": 0, "schedule": "sync"}
+    job = combine_process_records([a, b], keep=("loss",))
+    assert job == {"rollouts": 6, "success": 0.75, "sample_seconds": 3.0, "policy_lag_max": 2,
+                   "invariants/exploration/entropy_min": 0.1, "finish_reasons": {"answer": 5, "max_turns": 1},
+                   "task_ids": ["a", "b", "c"], "loss": 0.7, "rollouts/calc": 6, "env_service/env_crash": 1,
+                   "schedule": "sync"}
+    assert combine_process_records([a]) == a

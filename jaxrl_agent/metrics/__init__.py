@@ -8,11 +8,11 @@ from jaxrl_agent.invariants.measures import (
     pass_at_k,
     solution_signature,
 )
-from jaxrl_agent.metrics.records import (console_line, eval_console_line, iteration_record,
-                                         summarize)
+from jaxrl_agent.metrics.records import (combine_process_records, console_line, eval_console_line, iteration_record,
+                                         job_record, summarize)
 from jaxrl_agent.metrics.console import Console
 from jaxrl_agent.metrics.writer import MetricsWriter, TensorBoardWriter, WandbWriter, flatten, plain
 
-__all__ = ["Console", "MetricsWriter", "TensorBoardWriter", "WandbWriter", "console_line", "eval_console_line", "distinct_solutions", "entropy_by_env", "flatten",
-           "group_signal", "iteration_record", "mean_pass_at_k", "pass_at_k", "plain", "solution_signature",
+__all__ = ["Console", "MetricsWriter", "TensorBoardWriter", "WandbWriter", "combine_process_records", "console_line", "eval_console_line", "distinct_solutions", "entropy_by_env", "flatten",
+           "group_signal", "iteration_record", "job_record", "mean_pass_at_k", "pass_at_k", "plain", "solution_signature",
            "summarize"]

@@ -101,6 +101,60 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
     return record
 
 
+# How an iteration's per-process numbers combine into the job's (several processes): counts and
+# rates add up, the slowest process's seconds and the largest maxima stand, minima take the
+# smallest; every other number is the mean over processes (each samples an equal share).
+SUMMED = {"groups", "rollouts", "trained_trajectories", "generated_tokens", "trained_tokens", "trained_tokens_total",
+          "groups_pending", "suspended_episodes", "effective_samples_per_second", "trained_tokens_per_second",
+          "sampler_prefill_tokens", "sampler_reused_tokens", "sampler_generate_calls", "stale_dropped",
+          "invariants/signal/effective_samples_per_second", "sampler_server_restarts"}
+SUMMED_PREFIXES = ("rollouts/", "env_service/")
+
+
+def combine_process_records(records: Sequence[Mapping[str, Any]], *, keep: Sequence[str] = ()) -> dict[str, Any]:
+    """One record from each process's record of the same iteration (pure; see SUMMED). Keys in
+    `keep` (numbers already global, e.g. the learner's) are process 0's; dicts of counts add up;
+    lists are concatenated in process order; anything else is process 0's."""
+    first = records[0]
+    out: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [r[key] for r in records if key in r]
+        if key in keep or len(values) == 1:
+            out[key] = value
+        elif isinstance(value, bool) or not isinstance(value, (int, float, dict, list)):
+            out[key] = value
+        elif isinstance(value, dict):
+            merged: collections.Counter = collections.Counter()
+            for v in values:
+                merged.update({k: x for k, x in v.items() if isinstance(x, (int, float))})
+            out[key] = dict(merged)
+        elif isinstance(value, list):
+            out[key] = [x for v in values for x in v]
+        elif key in SUMMED or key.startswith(SUMMED_PREFIXES):
+            out[key] = sum(values)
+        elif key.endswith("_seconds") or key.endswith("_max") or key.endswith("/max"):
+            out[key] = max(values)
+        elif key.endswith("_min") or key.endswith("/min"):
+            out[key] = min(values)
+        else:
+            out[key] = float(np.mean(values))
+    return out
+
+
+def job_record(record: Mapping[str, Any], *, keep: Sequence[str] = ()) -> dict[str, Any]:
+    """`record` combined over every process (`combine_process_records`; itself with one process).
+    Every process must call it for the same iteration: all of them get the same record back, so
+    the invariants' alarms and responses decide alike everywhere."""
+    import jax
+
+    if jax.process_count() == 1:
+        return dict(record)
+    from jaxrl_agent import sharding
+
+    plain = {k: (float(v) if isinstance(v, (np.floating, np.integer)) else v) for k, v in record.items()}
+    return combine_process_records(sharding.gather_objects(plain), keep=keep)
+
+
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The run's headline, from its metrics records (all processes of a resumed run): held-out
     success after the cold start (the last `sft_eval`, else the initial evaluation) and at the end
