@@ -69,7 +69,9 @@ def test_killing_one_process_stops_the_job_within_a_minute_and_a_restart_resumes
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and cluster.poll() is None:
-        if metrics.exists() and any(json.loads(line)["stage"] == "rl" for line in open(metrics)):
+        # Past RL iteration 2: iteration 1's checkpoint is written (it follows that iteration's record).
+        if metrics.exists() and any(json.loads(line)["stage"] == "rl" and json.loads(line)["step"] >= 2
+                                    for line in open(metrics)):
             break
         time.sleep(1)
     assert cluster.poll() is None, cluster.communicate()[1][-3000:]
