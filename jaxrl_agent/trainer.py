@@ -151,12 +151,10 @@ class Run:
         if self.config.checkpoint.export_hf and self.writer.active:
             from jaxrl_agent.cli import export_hf
 
-            out = os.path.join(self.writer.workdir, "hf", str(step))
-            try:
-                export_hf.write_folder(out, self.config, self.model_config, state.params)
-            except (OSError, ValueError) as err:  # the checkpoint is written; an export is a convenience
-                self.log("export_failed", iteration, {"checkpoint_step": step, "error": f"{type(err).__name__}: {err}"},
-                         global_step=step, console=f"warning: Hugging Face export of step {step} failed: {err}")
+            error = export_hf.export_at_save(self.writer.workdir, step, self.config, self.model_config, state.params)
+            if error:  # the checkpoint is written; an export is a convenience
+                self.log("export_failed", iteration, {"checkpoint_step": step, "error": error},
+                         global_step=step, console=f"warning: Hugging Face export of step {step} failed: {error}")
 
     def sampler_stats(self) -> dict[str, float]:
         try:

@@ -57,6 +57,18 @@ def tokenizer_folder(config) -> str:
     return path if os.path.isdir(path) else os.path.dirname(path)
 
 
+def export_at_save(workdir: str, step: int, config, model_config, params) -> str | None:
+    """`checkpoint.export_hf`: the checkpoint of `step` as `<workdir>/hf/<step>`. Returns None, or
+    the error when the folder could not be written (the checkpoint itself is kept either way)."""
+    import os
+
+    try:
+        write_folder(os.path.join(workdir, "hf", str(step)), config, model_config, params)
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def write_folder(out: str, config, model_config, params, *, max_shard_bytes: int | None = None) -> list[str]:
     """`params` as a Hugging Face folder with the run's tokenizer files; the files copied."""
     from jaxrl_agent import models
