@@ -203,6 +203,7 @@ def test_a_mixture_reports_per_environment_metrics_and_evaluation(tmp_path):
         (final["eval/calculator/success"] + final["eval/kb_search/success"]) / 2)
 
 
+@pytest.mark.slow  # in CI's slow pass: keeps the default suite under ~15 min on a clean clone
 def test_a_hanging_step_in_process_ends_only_its_episode(tmp_path):
     config = _rl_only(tiny_config(tmp_path))
     config.env.imports = "tests.fixtures.faulty_envs"

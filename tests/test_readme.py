@@ -138,6 +138,7 @@ def test_quick_start_installs_without_the_test_extra_and_trains(tmp_path):
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1, 2]
 
 
+@pytest.mark.slow  # in CI's slow pass: keeps the default suite under ~15 min on a clean clone
 def test_research_script_runs(tmp_path, monkeypatch):
     """The "Bring your own" script: a pure loss, a reward component and a task file, trained."""
     block = _block("objective_from_loss(my_loss")
@@ -165,6 +166,7 @@ def test_objective_override_command_runs(tmp_path):
         (0.28, "grpo", "icepop")
 
 
+@pytest.mark.slow  # in CI's slow pass: keeps the default suite under ~15 min on a clean clone
 def test_real_model_commands_run(tmp_path):
     """The three commands on a tiny random Qwen3 folder standing in for /models/Qwen3-0.6B."""
     folder = tmp_path / "Qwen3-0.6B"

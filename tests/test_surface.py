@@ -101,6 +101,7 @@ def test_cli_names_its_commands(capsys):
 
 
 # ------------------------------------------------------------------------- a run, as a user sees it
+@pytest.mark.slow  # in CI's slow pass: keeps the default suite under ~15 min on a clean clone
 def test_train_on_a_terminal_then_export_plot_and_rerun(tmp_path):
     workdir = tmp_path / "run"
     code, out, err = _on_a_terminal(_command("train", workdir=workdir))

@@ -320,6 +320,7 @@ def test_calls_without_the_token_and_checkpoints_outside_the_root_are_refused(se
     assert all(info["version"] not in (997, 998, 999) for info in infos)
 
 
+@pytest.mark.slow  # in CI's slow pass: keeps the default suite under ~15 min on a clean clone
 def test_a_tls_server_answers_clients_that_trust_its_ca_and_no_others(tmp_path, tls_files):
     proc, address = _start_server(tmp_path / "tls.log", f"--tls_cert_file={tls_files['cert']}",
                                   f"--tls_key_file={tls_files['key']}")
@@ -399,6 +400,7 @@ def test_killing_one_server_finishes_every_request_on_the_other(servers):
         assert list(completion.token_ids) == greedy_reference(TOKENIZER.encode(prompt), 150)
 
 
+@pytest.mark.slow  # in CI's slow pass: keeps the default suite under ~15 min on a clean clone
 def test_requests_finishing_while_the_generate_loop_inserts_never_kill_the_server(tmp_path):
     """JetStream 0.2.2's generate loop asserts a slot is busy after inserting; the detokenize thread
     can free the last one in between and the assertion SIGKILLs the server. A one-microsecond GIL
