@@ -158,6 +158,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.groups_in_flight = 0  # Non-sync: groups submitted ahead of the learner (0 = prompts_per_iteration).
 
     # Who gets rollouts (rollout allocation). 'uniform' with task_pool=0 is a fresh task for every group.
+    config.replay = ml_collections.ConfigDict()
+    # The replay buffer holds groups from submission until trained, suspended partial rollouts with
+    # their tokens among them. Its bound, in tokens held: the oldest groups are evicted (counted) to
+    # stay under it. 0 = 4 x the groups in flight x group_size x max_context.
+    config.replay.capacity_tokens = 0
+
     config.allocation = ml_collections.ConfigDict()
     # 'uniform', 'variance' (sqrt(p(1-p)), VIP / GVM-RAFT), 'knapsack' (Knapsack RL) or 'until_mixed'
     # (Reinforce-Ada: rounds of G/2 rollouts until a task's outcomes differ; sync only). All but uniform
@@ -352,6 +358,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.metrics.tensorboard = True  # Also write TensorBoard scalars to workdir/tensorboard.
     config.metrics.wandb_project = ""  # Also log to this Weights & Biases project (pip install ".[wandb]").
     config.metrics.progress = "auto"  # Progress bars: 'auto' (on a terminal only), 'on' or 'off'.
+    # Write every episode the learner takes (whole trajectories, JSON) to workdir/episodes.jsonl
+    # (episodes.p<i>.jsonl for process i > 0): what was trained on, for inspection and audits.
+    config.metrics.episodes_log = False
 
     config.smoke = ml_collections.ConfigDict()
     config.smoke.batch_size = 2  # Rows in the launcher's forward-pass check.

@@ -877,9 +877,24 @@ def build_allocator(config, environments: "Environments", levels: dict):
         revisit_prob=a.revisit_prob, seed=config.seed + 1)
 
 
-def build_rollout_source(config, sampler, environments: "Environments", tok, template, settings, levels: dict):
-    """The RL rollout source: the schedule of `config.rollout`, a runner for its episodes, the task
-    stream of `data.tasks` and the allocator of `config.allocation`."""
+def replay_capacity_tokens(config) -> int:
+    """`replay.capacity_tokens`, or its default: 4 x the groups a process keeps open (P, plus the
+    non-sync schedules' groups in flight) x group_size x max_context."""
+    r = config.rollout
+    if config.replay.capacity_tokens < 0:
+        raise ValueError(f"replay.capacity_tokens={config.replay.capacity_tokens}: expected >= 0 (0 = the default)")
+    if config.replay.capacity_tokens:
+        return int(config.replay.capacity_tokens)
+    prompts = max(1, sharding.process_share(r.prompts_per_iteration))
+    open_groups = prompts + (0 if r.schedule == "sync" else (r.groups_in_flight or prompts))
+    return 4 * open_groups * max(r.group_size, config.allocation.max_group) * r.max_context
+
+
+def build_rollout_source(config, sampler, environments: "Environments", tok, template, settings, levels: dict,
+                         buffer=None):
+    """The RL rollout source: the schedule of `config.rollout`, a runner for its episodes (its
+    groups held in `buffer`, a `replay.ReplayBuffer`), the task stream of `data.tasks` and the
+    allocator of `config.allocation`."""
     from jaxrl_agent import rollout
 
     r = config.rollout
@@ -887,7 +902,7 @@ def build_rollout_source(config, sampler, environments: "Environments", tok, tem
                                 stale_policy=r.stale_policy, token_budget=r.token_budget,
                                 groups_in_flight=r.groups_in_flight)
     runner = rollout.RolloutRunner(sampler, environments.make_env, tok, template, settings, r.group_size,
-                                   token_budget=schedule.token_budget, seed=config.seed)
+                                   token_budget=schedule.token_budget, seed=config.seed, buffer=buffer)
     return rollout.source.RolloutSource(
         build_task_stream(config, environments, levels, seed=config.seed), runner, schedule,
         # The job's prompts per iteration, split over its processes (each samples its own groups).

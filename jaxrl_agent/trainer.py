@@ -2,10 +2,12 @@
 
 The data path of one RL iteration, one downward pass:
 
-  rollout.RolloutSource.next_groups()     tasks -> submitted groups -> the schedule's trainable groups
+  rollout.RolloutSource.next_groups()     tasks -> submitted groups, held in the replay buffer
+                                          (replay.ReplayBuffer: finished and suspended episodes, a
+                                          token capacity) -> the schedule's trainable groups
   rewards.judge_groups()                  the rubric judge's component (when reward.judge is set)
   rollout.postprocess.postprocess()       reward shaping -> staleness -> advantages -> zero-signal filter
-  replay.ReplayBuffer.insert() / take()   validation (rejections counted by reason)
+  replay.ReplayBuffer.admit()             validation (rejections counted by reason)
   learner.rl_update()                     packed minibatches -> train_step (proximal log-probs first
                                           for the decoupled correction)
   metrics.iteration_record() -> MetricsWriter
@@ -135,7 +137,9 @@ class Run:
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
         """Writes a checkpoint; one that cannot be written stops the run cleanly (the previous one is kept)."""
         step = self.config.sft.steps + iteration
-        own = {"source": source.state_dict() if source is not None else {}, "replay": self.buffer.state_dict(),
+        own = {"source": source.state_dict() if source is not None else {},
+               # The buffer under its runner's lock: episodes finish and suspend while this runs.
+               "replay": source.runner.pending_state() if source is not None else self.buffer.state_dict(),
                "rng": checkpoint.rng_state(self.rng)}
         processes = sharding.gather_objects(own) if jax.process_count() > 1 else []  # each resumes its own
         try:
@@ -225,7 +229,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
                                         progress={"auto": None, "on": True, "off": False}[config.metrics.progress])),
         tokenizer=tokenizer, template=build.build_template(config), mesh=mesh,
         model_config=model_config, environments=environments, sampler=sampler, servers=servers,
-        buffer=replay.ReplayBuffer(vocab_size=model_config.vocab_size, max_length=config.learner.row_length),
+        buffer=replay.ReplayBuffer(capacity_tokens=build.replay_capacity_tokens(config)),
         checkpointer=checkpointer, objective=objective,
         postprocess=rollout.PostprocessSettings(
             shaping=build.build_reward_shaping(config, reward_fn), advantage_fn=build.build_advantage_fn(config),
@@ -305,7 +309,7 @@ def run_rl(run: Run) -> None:
         if run.objective.needs_proximal or config.invariants.drift_every > 0 else None
     proximal = logprobs_fn if run.objective.needs_proximal else None
     source = build.build_rollout_source(config, run.sampler, run.environments, run.tokenizer, run.template,
-                                        run.episode_settings(r.temperature), run.train_levels)
+                                        run.episode_settings(r.temperature), run.train_levels, buffer=run.buffer)
     if config.data.tasks != "procedural":
         run.log("data", 0, {"tasks": config.data.tasks, "task_records": source.tasks.size,
                             "skipped_records": dict(source.tasks.skipped)}, global_step=config.sft.steps)
@@ -317,7 +321,8 @@ def run_rl(run: Run) -> None:
             run.params, run.version = state.params, resume.version
             run.trained_tokens_total = resume.trained_tokens_total
             checkpoint.set_rng_state(run.rng, resume.rng)
-            run.buffer.load_state_dict(resume.replay)
+            # The buffer's groups continue: finished episodes kept, suspended ones from their tokens.
+            source.runner.restore_pending(resume.replay)
             source.load_state_dict(resume.source)
             run.invariants = invariants.MonitorState.from_dict(resume.invariants, run.invariant_settings)
             if run.invariant_settings.respond:
@@ -365,6 +370,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     sampler_before = run.sampler_stats()
     groups = source.next_groups()
     sample_seconds = time.perf_counter() - started
+    if config.metrics.episodes_log:
+        run.writer.write_episodes(iteration, groups)
     judge_metrics = {}
     if run.judge is not None:
         groups, judge_metrics = rewards.judge_groups(run.judge, groups, run.tokenizer.decode,
@@ -376,8 +383,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
                                                 current_version=run.version)
     source.observe(processed.shaped_groups, processed.metrics["nonzero_advantage_group_share"]
                    if processed.groups else None)
-    run.buffer.insert(processed.trainable, current_version=run.version)
-    batch = run.buffer.take()
+    batch = run.buffer.admit(processed.trainable, vocab_size=run.model_config.vocab_size,
+                             max_length=config.learner.row_length, current_version=run.version)
     learn_started = time.perf_counter()
     trained_version = run.version
     state, learner_metrics = learner.rl_update(
@@ -395,6 +402,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     learn_seconds = time.perf_counter() - learn_started
     suspended = source.runner.clock.suspended  # episodes that spent this iteration's token budget
     source.runner.next_iteration()  # suspended partial rollouts resume, on the new weights
+    with source.runner.lock:
+        replay_stats = run.buffer.stats()
     trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch))
     run.trained_tokens_total += trained_tokens
     iteration_seconds = time.perf_counter() - started
@@ -415,7 +424,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             "learn_seconds": learn_seconds,
             "effective_samples_per_second": len(batch) / iteration_seconds,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
-            "replay_rejected": dict(run.buffer.rejected),
+            **replay_stats, "replay/resumed_partials": source.runner.resumed_partials,
             **({"sampler_server_restarts": run.servers.restarts} if run.servers is not None else {}),
             **judge_metrics,
             **run.environments.stats(),

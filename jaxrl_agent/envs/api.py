@@ -27,8 +27,11 @@ from jaxrl_agent.envs.tool_protocol import ToolSpec
 HELD_OUT_SEED_OFFSET = 1_000_000
 
 # Why an episode ended. The environment sets the first three; the env service (or the in-process
-# watchdog) the next two; 'env_reset_error' is an episode whose reset failed (nothing sampled).
-FINISH_REASONS = ("answer", "max_turns", "env_error", "env_timeout", "env_crash", "env_reset_error")
+# watchdog) the next two; 'env_reset_error' is an episode whose reset failed (nothing sampled);
+# 'env_resume_mismatch' a suspended episode whose environment, rebuilt on resume by replaying its
+# actions, answered differently from the first time.
+FINISH_REASONS = ("answer", "max_turns", "env_error", "env_timeout", "env_crash", "env_reset_error",
+                  "env_resume_mismatch")
 
 
 @dataclasses.dataclass(frozen=True)

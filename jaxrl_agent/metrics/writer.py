@@ -145,6 +145,7 @@ class MetricsWriter:
 
             process_index = jax.process_index()
         self.active = process_index == 0
+        self.process_index = process_index
         self.workdir = workdir
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.console = console if console is not None else Console(enabled=self.active and not quiet)
@@ -184,6 +185,19 @@ class MetricsWriter:
                              and not isinstance(v, (list, dict)))
             console = f"[{stage} {step}] {shown}"
         self.console.line(console)
+
+    def write_episodes(self, iteration: int, groups) -> str:
+        """Appends every episode of `groups` (lists of `Trajectory`) as one JSON line
+        ({"iteration", "trajectory"}) to workdir/episodes.jsonl — every process its own file
+        (episodes.p<i>.jsonl for process i > 0), as each trains its own groups. Returns the path."""
+        name = "episodes.jsonl" if self.process_index == 0 else f"episodes.p{self.process_index}.jsonl"
+        path = os.path.join(self.workdir, name)
+        os.makedirs(self.workdir, exist_ok=True)
+        with open(path, "a") as f:
+            for group in groups:
+                for t in group:
+                    f.write(json.dumps({"iteration": iteration, "trajectory": t.to_dict()}, default=float) + "\n")
+        return path
 
     def write_config(self, config) -> str | None:
         """workdir/config.json (the resolved config, overrides applied) and the sinks' hparams."""

@@ -2,6 +2,6 @@
 
 from jaxrl_agent.replay.buffer import ReplayBuffer
 from jaxrl_agent.replay.packing import pack, pad_batch, target_index
-from jaxrl_agent.replay.trajectory import SCHEMA_VERSION, Trajectory, validate
+from jaxrl_agent.replay.trajectory import SCHEMA_VERSION, PartialRollout, Trajectory, validate
 
-__all__ = ["ReplayBuffer", "SCHEMA_VERSION", "Trajectory", "pack", "pad_batch", "target_index", "validate"]
+__all__ = ["PartialRollout", "ReplayBuffer", "SCHEMA_VERSION", "Trajectory", "pack", "pad_batch", "target_index", "validate"]

@@ -114,3 +114,67 @@ def validate(t: Trajectory, *, vocab_size: int, max_length: int, current_version
     if t.schema_version != SCHEMA_VERSION:
         return "schema_version"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialRollout:
+    """A suspended episode (partial rollouts, Kimi k1.5): everything needed to continue it later, in
+    this process or after a resume, from its own tokens rather than from its task.
+
+    The token arrays are [T] as in `Trajectory` — every id so far, with the mask, log-probs and the
+    version of the policy that sampled each generated id. The episode was suspended inside a turn:
+    that turn's ids so far are `tokens[turn_start:]`. The environment's state is not serialised: it
+    is rebuilt by resetting the environment with the episode's task and seed and replaying
+    `actions`, each step's observation checked against `observation_digests` (an environment that
+    answers differently ends the episode as 'env_resume_mismatch').
+
+    Fields: `segment_starts` as in `Trajectory`; `turns` the finished turns' records; `messages`
+    the conversation so far (re-rendered histories need it); `turn_sampler_calls` and
+    `turn_closed_think` the current turn's counters; `suspensions` how often it has been suspended.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    sampler_logprobs: np.ndarray
+    policy_version: np.ndarray
+    turn_start: int
+    segment_starts: tuple[int, ...] = ()
+    turns: tuple[dict[str, Any], ...] = ()
+    actions: tuple[str, ...] = ()
+    observation_digests: tuple[str, ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
+    turn_sampler_calls: int = 0
+    turn_closed_think: int = 0
+    suspensions: int = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for key in ("tokens", "loss_mask", "sampler_logprobs", "policy_version"):
+            d[key] = np.asarray(getattr(self, key)).tolist()
+        for key in ("segment_starts", "turns", "actions", "observation_digests", "messages"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PartialRollout":
+        d = dict(d)
+        d["tokens"] = np.asarray(d["tokens"], np.int32)
+        d["loss_mask"] = np.asarray(d["loss_mask"], np.int32)
+        d["sampler_logprobs"] = np.asarray(d["sampler_logprobs"], np.float32)
+        d["policy_version"] = np.asarray(d["policy_version"], np.int32)
+        d["segment_starts"] = tuple(int(x) for x in d.get("segment_starts", ()))
+        for key in ("turns", "actions", "observation_digests", "messages"):
+            d[key] = tuple(d.get(key, ()))
+        partial = cls(**d)
+        arrays = (partial.tokens, partial.loss_mask, partial.sampler_logprobs, partial.policy_version)
+        if len({a.shape[0] for a in arrays}) != 1 or not 0 <= partial.turn_start <= partial.length:
+            raise ValueError(f"partial rollout arrays of lengths {[a.shape[0] for a in arrays]} with turn_start="
+                             f"{partial.turn_start}: expected equal lengths and 0 <= turn_start <= length")
+        if len(partial.actions) != len(partial.observation_digests):
+            raise ValueError(f"partial rollout has {len(partial.actions)} actions but "
+                             f"{len(partial.observation_digests)} observation digests: expected one each")
+        return partial

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 from typing import Any, Protocol
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxrl_agent import tool_formats
 from jaxrl_agent.envs import api as env_api
-from jaxrl_agent.replay.trajectory import Trajectory
+from jaxrl_agent.replay.trajectory import PartialRollout, Trajectory
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
 from jaxrl_agent.tokenizer import Tokenizer, TurnTemplate
 
@@ -193,81 +194,162 @@ def first_messages(first: env_api.Observation, template, fmt: tool_formats.ToolF
     return messages, template
 
 
+def observation_digest(text: str) -> str:
+    """What a partial rollout keeps of each observation, to check a replayed environment."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class _Progress:
+    """An episode so far (the coroutine's own, mutable): ids with their mask, log-probs and
+    versions, where its learner sequences start, the conversation, the finished turns and their
+    environment actions, and the current turn's counters. `suspended()` is its immutable record."""
+
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    messages: list
+    segment: int = 0  # where the current learner sequence begins
+    starts: list[int] = dataclasses.field(default_factory=list)  # where the later ones began
+    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    actions: list[str] = dataclasses.field(default_factory=list)
+    digests: list[str] = dataclasses.field(default_factory=list)
+    turn_start: int = 0
+    turn_calls: int = 0
+    turn_closed_think: int = 0
+    suspensions: int = 0
+
+    def add(self, ids, *, logprobs=None, versions=None) -> None:
+        """Appends ids: generated ones with their log-probs and versions, else context (mask 0)."""
+        ids = list(ids)
+        self.tokens += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += list(versions) if versions is not None else [-1] * len(ids)
+
+    def suspended(self) -> PartialRollout:
+        """Counts one more suspension and returns the episode's record at it."""
+        self.suspensions += 1
+        return PartialRollout(
+            tokens=np.asarray(self.tokens, np.int32), loss_mask=np.asarray(self.mask, np.int32),
+            sampler_logprobs=np.asarray(self.logprobs, np.float32), policy_version=np.asarray(self.versions, np.int32),
+            turn_start=self.turn_start, segment_starts=tuple(self.starts), turns=tuple(dict(t) for t in self.turns),
+            actions=tuple(self.actions), observation_digests=tuple(self.digests),
+            messages=tuple(_json_message(m) for m in self.messages), turn_sampler_calls=self.turn_calls,
+            turn_closed_think=self.turn_closed_think, suspensions=self.suspensions)
+
+    @classmethod
+    def resumed(cls, p: PartialRollout) -> "_Progress":
+        return cls(tokens=p.tokens.tolist(), mask=p.loss_mask.tolist(), logprobs=p.sampler_logprobs.tolist(),
+                   versions=p.policy_version.tolist(), messages=[dict(m) for m in p.messages],
+                   segment=p.segment_starts[-1] if p.segment_starts else 0, starts=list(p.segment_starts),
+                   turns=[dict(t) for t in p.turns], actions=list(p.actions), digests=list(p.observation_digests),
+                   turn_start=p.turn_start, turn_calls=p.turn_sampler_calls, turn_closed_think=p.turn_closed_think,
+                   suspensions=p.suspensions)
+
+
+def _json_message(message: dict) -> dict:
+    return {k: (list(v) if k == "token_ids" else v) for k, v in message.items()}
+
+
+async def _replay_environment(env: EpisodeEnv, partial: PartialRollout) -> str | None:
+    """Brings a freshly reset environment to a partial rollout's state by stepping it through the
+    episode's actions; None if every observation matches the recorded one, else what differed."""
+    for turn, (action, digest) in enumerate(zip(partial.actions, partial.observation_digests)):
+        step = await env.step(action)
+        if step.done or observation_digest(step.observation.text) != digest:
+            return (f"turn {turn}: the environment {'ended the episode' if step.done else 'answered differently'} "
+                    "on replay (not deterministic given its task and seed)")
+    return None
+
+
 async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: Tokenizer, template: TurnTemplate,
                       settings: EpisodeSettings, *, seed: int = 0, group_id: str = "", sample_index: int = 0,
-                      budget=None) -> Trajectory:
+                      budget=None, resume: PartialRollout | None = None) -> Trajectory:
     """Runs one episode to its end and returns its trajectory.
 
     `budget` (an `EpisodeBudget`, optional) caps the tokens sampled per learner iteration (partial
-    rollouts): each sampler call asks `await budget.grant(n)` for at most n tokens — waiting, with
-    the environment state kept, while this iteration's budget is spent — and a turn cut short by
-    the budget is continued by the next call, so one turn may hold tokens of several versions.
+    rollouts): each sampler call asks `await budget.grant(n, progress)` for at most n tokens —
+    waiting, with the environment state kept, while this iteration's budget is spent; `progress()`
+    is the episode's `PartialRollout` then, for the replay buffer — and a turn cut short by the
+    budget is continued by the next call, so one turn may hold tokens of several versions.
+
+    `resume` continues a suspended episode from its `PartialRollout` (after a restart): the
+    environment is reset with the same task and seed and stepped through the recorded actions, then
+    the episode goes on from its saved ids, log-probs and versions.
     """
+    def ended_early(reason: str, error: str, progress: _Progress | None = None) -> Trajectory:
+        p = progress or _Progress([], [], [], [], [])
+        return Trajectory(tokens=np.asarray(p.tokens, np.int32), loss_mask=np.asarray(p.mask, np.int32),
+                          sampler_logprobs=np.asarray(p.logprobs, np.float32),
+                          policy_version=np.asarray(p.versions, np.int32), reward=0.0,
+                          reward_components={"success": 0.0}, group_id=group_id, sample_index=sample_index,
+                          env=task.env, task_id=task.id, finish_reason=reason, turns=[*p.turns, {"error": error}],
+                          segment_starts=tuple(p.starts))
+
     try:
         first = await env.reset(task, seed)
     except Exception as err:  # noqa: BLE001 - a reset that fails is this episode's recorded end
         await env.close()
-        empty = np.zeros(0, np.int32)
-        return Trajectory(tokens=empty, loss_mask=empty, sampler_logprobs=np.zeros(0, np.float32),
-                          policy_version=empty, reward=0.0, reward_components={"success": 0.0},
-                          group_id=group_id, sample_index=sample_index, env=task.env, task_id=task.id,
-                          finish_reason="env_reset_error", turns=[{"error": repr(err)}])
+        return ended_early("env_reset_error", repr(err))
     fmt = tool_formats.get(settings.tool_format)
     messages, template = first_messages(first, template, fmt, include_system_prompt=settings.include_system_prompt)
-    rendered = template.render(messages, tokenizer, add_generation_prompt=True)
-    tokens = list(rendered.ids)
-    mask = [0] * len(tokens)
-    logprobs = [0.0] * len(tokens)
-    versions = [-1] * len(tokens)
+    if resume is None:
+        st = _Progress([], [], [], [], messages)
+        st.add(template.render(messages, tokenizer, add_generation_prompt=True).ids)
+    else:
+        st = _Progress.resumed(resume)
+        mismatch = await _replay_environment(env, resume)
+        if mismatch is not None:
+            await env.close()
+            return ended_early("env_resume_mismatch", mismatch, st)
     rerender = _renders_history(template, settings)
-    segment, starts = 0, []  # where the current learner sequence begins; where later ones began
     end_ids = template.end_ids(tokenizer)
     think_budget = settings.max_think_tokens
     close_think = tokenizer.encode(f"\n{tool_formats.THINK_CLOSE}\n\n") if think_budget > 0 else []
-    turns: list[dict[str, Any]] = []
     reward, components, finish_reason, success = 0.0, {}, "max_turns", False
-    for _ in range(settings.max_turns):
-        ids: list[int] = []  # this turn's ids, possibly over several sampler calls (and a think block's close)
+    continuing = resume is not None  # the first turn is the one the partial rollout was suspended in
+    while len(st.turns) < settings.max_turns:
+        if not continuing:
+            st.turn_start, st.turn_calls, st.turn_closed_think = len(st.tokens), 0, 0
+        continuing = False
+        ids = st.tokens[st.turn_start:]  # this turn's ids, possibly over several sampler calls
         started = time.perf_counter()
-        sampler_calls, cut, closed_think = 0, False, 0
+        cut, last_finish = False, "length"
         thinking: bool | None = None if think_budget > 0 else False
         while True:
-            full_room = min(settings.sampling.max_tokens - len(ids), settings.max_context - (len(tokens) - segment))
+            full_room = min(settings.sampling.max_tokens - len(ids), settings.max_context - (len(st.tokens) - st.segment))
             room = full_room
             if room <= 0:
                 break
             if thinking is not False:
                 thinking = _still_thinking(tokenizer.decode(ids)) if ids else None
                 if thinking is not False and len(ids) >= think_budget:
-                    if len(tokens) - segment + len(close_think) >= settings.max_context:
+                    if len(st.tokens) - st.segment + len(close_think) >= settings.max_context:
                         cut = True
                         break
                     # The budget is spent inside the block: close it for the policy, then let it answer.
                     ids += close_think
-                    tokens += close_think
-                    mask += [0] * len(close_think)
-                    logprobs += [0.0] * len(close_think)
-                    versions += [-1] * len(close_think)
-                    closed_think, thinking = 1, False
+                    st.add(close_think)
+                    st.turn_closed_think, thinking = 1, False
                     continue
                 if thinking is not False:
                     room = min(room, think_budget - len(ids))
-            wanted = room if budget is None else await budget.grant(room)
+            wanted = room if budget is None else await budget.grant(room, st.suspended)
             try:
                 completion = await sampler.generate(
-                    tokens[segment:], dataclasses.replace(settings.sampling, max_tokens=wanted))
+                    st.tokens[st.segment:], dataclasses.replace(settings.sampling, max_tokens=wanted))
             except PromptTooLongError:
                 cut = True
                 break
-            sampler_calls += 1
+            st.turn_calls += 1
             new = list(completion.token_ids)
             if budget is not None:
                 budget.spend(len(new))
             ids += new
-            tokens += new
-            mask += [1] * len(new)
-            logprobs += list(completion.logprobs)
-            versions += list(completion.versions)
+            st.add(new, logprobs=completion.logprobs, versions=completion.versions)
+            last_finish = completion.finish_reason
             # Cut by this iteration's token budget or the think budget (not by the turn's or the
             # context's limit): resume the same turn with the next call.
             if not (completion.finish_reason == "length" and wanted < full_room):
@@ -281,40 +363,39 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
             break
         action = fmt.to_env(tokenizer.decode(ids[:-len(end_ids)] if ended else ids))
         step = await env.step(action)
-        turns.append({"sampled_tokens": len(ids) - closed_think * len(close_think),
-                      "sample_seconds": time.perf_counter() - started, "sampler_calls": sampler_calls,
-                      "finish_reason": completion.finish_reason,
-                      **({"think_closed_by_budget": True} if closed_think else {})})
+        st.turns.append({"sampled_tokens": len(ids) - st.turn_closed_think * len(close_think),
+                         "sample_seconds": time.perf_counter() - started, "sampler_calls": st.turn_calls,
+                         "finish_reason": last_finish,
+                         **({"think_closed_by_budget": True} if st.turn_closed_think else {})})
         if step.done:
             reward = float(step.reward)
             components = dict(step.info.get("reward_components", {}))
             finish_reason = step.info.get("finish_reason", "answer")
             success = bool(step.info.get("success", False))
             break
+        st.actions.append(action)
+        st.digests.append(observation_digest(step.observation.text))
         result = fmt.result(step.observation.text)
         if rerender:
-            messages = [*messages, {"role": "assistant", "token_ids": ids},
-                        {"role": step.observation.role, "content": result}]
-        continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
+            st.messages = [*st.messages, {"role": "assistant", "token_ids": ids},
+                           {"role": step.observation.role, "content": result}]
+        continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
                                              role=step.observation.role, content=result,
                                              close_assistant=not ended, rerender=rerender)
-        if (0 if restart else len(tokens) - segment) + len(continuation) >= settings.max_context:
+        if (0 if restart else len(st.tokens) - st.segment) + len(continuation) >= settings.max_context:
             finish_reason = "context_limit"
             break
         if restart:
-            segment = len(tokens)
-            starts.append(segment)
-        tokens += continuation
-        mask += [0] * len(continuation)
-        logprobs += [0.0] * len(continuation)
-        versions += [-1] * len(continuation)
+            st.segment = len(st.tokens)
+            st.starts.append(st.segment)
+        st.add(continuation)
     await env.close()
     components = {**components, "success": float(success)}
     return Trajectory(
-        tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, np.int32),
-        sampler_logprobs=np.asarray(logprobs, np.float32), policy_version=np.asarray(versions, np.int32),
+        tokens=np.asarray(st.tokens, np.int32), loss_mask=np.asarray(st.mask, np.int32),
+        sampler_logprobs=np.asarray(st.logprobs, np.float32), policy_version=np.asarray(st.versions, np.int32),
         reward=reward, reward_components=components, group_id=group_id, sample_index=sample_index,
-        env=task.env, task_id=task.id, finish_reason=finish_reason, turns=turns, segment_starts=tuple(starts))
+        env=task.env, task_id=task.id, finish_reason=finish_reason, turns=st.turns, segment_starts=tuple(st.starts))
 
 
 def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,

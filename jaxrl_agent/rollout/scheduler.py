@@ -26,11 +26,12 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from jaxrl_agent.envs import api as env_api
+from jaxrl_agent.replay.buffer import ReplayBuffer
 from jaxrl_agent.replay.trajectory import Trajectory
 from jaxrl_agent.rollout.episode import EpisodeEnv, EpisodeSettings, run_episode
 
@@ -102,19 +103,20 @@ def apply_staleness(trajectory: Trajectory, current_version: int, max_staleness:
 class IterationClock:
     """Per-episode token budgets that refill at every iteration (partial rollouts).
 
-    `grant(episode_budget, wanted)` returns how many tokens the episode may sample now; when its
-    budget for the current iteration is spent it waits for `advance()`. Lives on the runner's loop;
-    `on_suspend` is called (on that loop) each time an episode suspends.
+    `grant(episode_budget, wanted, progress)` returns how many tokens the episode may sample now;
+    when its budget for the current iteration is spent it calls `on_suspend(episode_budget,
+    progress())` — the episode's `PartialRollout`, for the replay buffer — and waits for
+    `advance()`. Lives on the runner's loop.
     """
 
-    def __init__(self, token_budget: int, on_suspend: Callable[[], None] = lambda: None):
+    def __init__(self, token_budget: int, on_suspend: Callable[["EpisodeBudget", Any], None] = lambda b, p: None):
         self.token_budget = token_budget
         self.iteration = 0
         self.suspended = 0
         self._on_suspend = on_suspend
         self._changed = asyncio.Condition()
 
-    async def grant(self, budget: "EpisodeBudget", wanted: int) -> int:
+    async def grant(self, budget: "EpisodeBudget", wanted: int, progress: Callable[[], Any] | None = None) -> int:
         if self.token_budget <= 0:
             return wanted
         async with self._changed:
@@ -126,7 +128,7 @@ class IterationClock:
                     return min(wanted, left)
                 self.suspended += 1
                 budget.suspensions += 1
-                self._on_suspend()
+                self._on_suspend(budget, progress() if progress is not None else None)
                 try:
                     await self._changed.wait()
                 finally:
@@ -140,59 +142,66 @@ class IterationClock:
 
 @dataclasses.dataclass
 class EpisodeBudget:
-    """One episode's spending against the clock's per-iteration budget."""
+    """One episode's spending against the clock's per-iteration budget; `slot` = (group, sample)."""
 
     clock: IterationClock
     iteration: int = 0
     spent: int = 0
     suspensions: int = 0
+    slot: tuple[int, int] = (-1, -1)
 
-    async def grant(self, wanted: int) -> int:
-        return await self.clock.grant(self, wanted)
+    async def grant(self, wanted: int, progress: Callable[[], Any] | None = None) -> int:
+        return await self.clock.grant(self, wanted, progress)
 
     def spend(self, tokens: int) -> None:
         self.spent += tokens
 
 
-@dataclasses.dataclass
-class _Group:
-    index: int
-    task: env_api.Task
-    size: int
-    trajectories: list | None = None
-    submitted_at: float = 0.0
-    finished_at: float | None = None
-
-
 class RolloutRunner:
-    """Episodes as coroutines on a persistent event loop (background thread), grouped by task.
+    """Episodes as coroutines on a persistent event loop (background thread), grouped by task; the
+    groups live in the replay buffer (`replay.ReplayBuffer`) from submission until taken.
 
     submit(tasks) -> group indices in submission order; the learner thread then polls
-    `finished()` / `unfinished()` / `running_episodes()` and `take(indices)`.
+    `finished()` / `unfinished()` / `running_episodes()` and `take(indices)`. A suspended episode's
+    `PartialRollout` is written to the buffer as it suspends, so `pending_state()` (the buffer's
+    state) holds it, and `restore_pending()` continues it from its tokens.
     """
 
     def __init__(self, sampler, make_env: Callable[[env_api.Task], EpisodeEnv], tokenizer, template,
-                 settings: EpisodeSettings, group_size: int, token_budget: int = 0, seed: int = 0):
+                 settings: EpisodeSettings, group_size: int, token_budget: int = 0, seed: int = 0,
+                 buffer: ReplayBuffer | None = None):
         self.sampler, self.make_env = sampler, make_env
         self.tokenizer, self.template, self.settings = tokenizer, template, settings
         self.group_size, self.seed = group_size, seed
-        self._groups: dict[int, _Group] = {}
-        self._next_index = 0
+        self.buffer = buffer if buffer is not None else ReplayBuffer()
+        self._episodes: dict[int, list[asyncio.Task]] = {}  # running episodes by group (loop thread)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._running = 0  # episodes sampling or stepping (not finished, not suspended)
         self._errors: list[BaseException] = []
+        self.resumed_partials = 0  # episodes continued from a saved PartialRollout
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollouts", daemon=True)
         self._thread.start()
         self.clock = self._call(self._make_clock(token_budget))
 
     async def _make_clock(self, token_budget):
-        return IterationClock(token_budget, on_suspend=self._notify)
+        return IterationClock(token_budget, on_suspend=self._suspended)
 
-    def _notify(self) -> None:
+    def _suspended(self, budget: EpisodeBudget, partial) -> None:
+        """On the loop: a suspending episode's record goes to the buffer before anyone can see the
+        runner quiescent (and checkpoint it)."""
         with self._changed:
+            index, sample = budget.slot
+            if partial is not None and index in self.buffer:
+                self._cancel(self.buffer.suspend(index, sample, partial))
             self._changed.notify_all()
+
+    def _cancel(self, evicted: Sequence[int]) -> None:
+        """Stops the running episodes of groups the buffer evicted (caller holds the lock, on the loop)."""
+        for index in evicted:
+            for task in self._episodes.pop(index, ()):
+                task.cancel()
 
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
@@ -203,46 +212,46 @@ class RolloutRunner:
         sizes = [self.group_size] * len(tasks) if sizes is None else [int(n) for n in sizes]
         if len(sizes) != len(tasks) or any(n < 1 for n in sizes):
             raise ValueError(f"group sizes {sizes} must be >= 1, one per task ({len(tasks)} tasks)")
-        indices = []
         with self._lock:
-            for task, size in zip(tasks, sizes):
-                index = self._next_index
-                self._next_index += 1
-                self._groups[index] = _Group(index, task, size, submitted_at=time.perf_counter())
-                self._running += size
-                indices.append(index)
-        for index in indices:
-            asyncio.run_coroutine_threadsafe(self._run_group(self._groups[index]), self.loop)
+            indices = [self.buffer.open(task, size) for task, size in zip(tasks, sizes)]
+            self._running += sum(sizes)
+        self._call(self._start(indices))
         return indices
 
-    async def _run_group(self, group: _Group) -> None:
-        results: list[Trajectory | None] = [None] * group.size
-        done = [0]
+    async def _start(self, indices: Sequence[int]) -> None:
+        """Starts every empty or suspended slot of these groups (on the loop)."""
+        with self._lock:
+            for index in indices:
+                if index in self._episodes or index not in self.buffer:
+                    continue  # already running, or evicted meanwhile
+                group = self.buffer.group(index)
+                self._episodes[index] = [
+                    self.loop.create_task(self._episode(index, group.task, i, group.partial.get(i)))
+                    for i in range(group.size) if i not in group.done]
 
-        async def one(i):
-            budget = EpisodeBudget(self.clock, iteration=self.clock.iteration)
-            trajectory, error = None, None
-            try:
-                trajectory = await run_episode(
-                    self.sampler, self.make_env(group.task), group.task, self.tokenizer, self.template,
-                    self.settings, seed=episode_seed(self.seed, group.index, i),
-                    group_id=f"g{group.index}", sample_index=i, budget=budget)
-            except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
-                error = err
-            # The last episode of a group records the group in the same step that stops counting
-            # it as running, so `quiescent()` never sees a finished but unrecorded group.
-            with self._changed:
-                results[i] = trajectory
-                done[0] += 1
-                self._running -= 1
-                if error is not None:
-                    self._errors.append(error)
-                if done[0] == group.size and all(t is not None for t in results):
-                    group.trajectories = list(results)
-                    group.finished_at = time.perf_counter()
-                self._changed.notify_all()
-
-        await asyncio.gather(*(one(i) for i in range(group.size)))
+    async def _episode(self, index: int, task: env_api.Task, sample: int, partial) -> None:
+        budget = EpisodeBudget(self.clock, iteration=self.clock.iteration, slot=(index, sample))
+        trajectory, error = None, None
+        try:
+            trajectory = await run_episode(
+                self.sampler, self.make_env(task), task, self.tokenizer, self.template, self.settings,
+                seed=episode_seed(self.seed, index, sample), group_id=f"g{index}", sample_index=sample,
+                budget=budget, resume=partial)
+        except asyncio.CancelledError:
+            pass  # its group was evicted, or the runner is closing
+        except BaseException as err:  # noqa: BLE001 - surfaced to the learner thread by wait()
+            error = err
+        # A finished episode is recorded in the same step that stops counting it as running, so
+        # `quiescent()` never sees a finished but unrecorded group.
+        with self._changed:
+            self._running -= 1
+            if error is not None:
+                self._errors.append(error)
+            elif trajectory is not None and index in self.buffer:
+                self._cancel(self.buffer.finish(index, sample, trajectory))
+                if self.buffer.group(index).finished:
+                    self._episodes.pop(index, None)
+            self._changed.notify_all()
 
     # ------------------------------------------------------------------ state (learner thread)
     @property
@@ -251,10 +260,10 @@ class RolloutRunner:
 
     def finished_unlocked(self) -> list[int]:
         """Finished group indices; the caller holds `lock` (e.g. inside a `wait` predicate)."""
-        return sorted(i for i, g in self._groups.items() if g.trajectories is not None)
+        return self.buffer.finished_indices()
 
     def unfinished_unlocked(self) -> list[int]:
-        return sorted(i for i, g in self._groups.items() if g.trajectories is None)
+        return self.buffer.unfinished_indices()
 
     def finished(self) -> list[int]:
         with self._lock:
@@ -287,37 +296,30 @@ class RolloutRunner:
         return self._running == 0 or self._running == self.clock.suspended
 
     def take(self, indices: Sequence[int]) -> list[list[Trajectory]]:
+        """The finished groups `indices` still held (a group evicted since it was selected is not)."""
         with self._lock:
-            groups = [self._groups.pop(i) for i in indices]
-        return [g.trajectories for g in groups]
+            return self.buffer.take([i for i in indices if i in self.buffer])
 
     def pending_state(self) -> dict:
-        """Groups not yet trained, for a checkpoint: finished ones with their trajectories, and the
-        tasks of unfinished ones (their episodes restart from the task on resume), in submission order."""
+        """Groups not yet trained, for a checkpoint: the replay buffer's state — finished episodes
+        with their trajectories, suspended ones with their partial rollouts."""
         with self._lock:
-            return {"next_index": self._next_index,
-                    "groups": [{"index": g.index, "task": g.task.to_dict(), "size": g.size,
-                                "trajectories": None if g.trajectories is None else
-                                [t.to_dict() for t in g.trajectories]}
-                               for g in sorted(self._groups.values(), key=lambda g: g.index)]}
+            return self.buffer.state_dict()
 
     def restore_pending(self, state: dict) -> None:
-        """Re-creates checkpointed groups under their original submission indices."""
-        to_run = []
+        """Loads checkpointed groups into the buffer under their own indices and continues them:
+        suspended episodes from their partial rollouts, the others from their tasks."""
         with self._lock:
-            for entry in state["groups"]:
-                group = _Group(int(entry["index"]), env_api.Task.from_dict(entry["task"]),
-                               int(entry.get("size", self.group_size)), submitted_at=time.perf_counter())
-                if entry["trajectories"] is not None:
-                    group.trajectories = [Trajectory.from_dict(d) for d in entry["trajectories"]]
-                    group.finished_at = group.submitted_at
-                else:
-                    self._running += group.size
-                    to_run.append(group)
-                self._groups[group.index] = group
-            self._next_index = max(self._next_index, int(state["next_index"]))
-        for group in to_run:
-            asyncio.run_coroutine_threadsafe(self._run_group(group), self.loop)
+            if any("trajectories" in g for g in state.get("groups", ())):
+                self.buffer.load_pending_groups(state)  # written by the task source of earlier versions
+            else:
+                self.buffer.load_state_dict(state)
+            unfinished = self.buffer.unfinished_indices()
+            for index in unfinished:
+                group = self.buffer.group(index)
+                self._running += group.size - len(group.done)
+                self.resumed_partials += len(group.partial)
+        self._call(self._start(unfinished))
 
     def next_iteration(self) -> None:
         """Refills every episode's token budget: suspended partial rollouts resume."""

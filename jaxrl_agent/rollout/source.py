@@ -210,13 +210,12 @@ class RolloutSource:
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
         return {"tasks": self.tasks.state_dict(), "nonzero_share": self.nonzero_share,
-                "allocator": self.allocator.state_dict() if self.allocator is not None else None,
-                "pending": self.runner.pending_state()}
+                "allocator": self.allocator.state_dict() if self.allocator is not None else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.tasks.load_state_dict(state["tasks"])
         self.nonzero_share = float(state.get("nonzero_share", 1.0))
         if self.allocator is not None and state.get("allocator"):
             self.allocator.load_state_dict(state["allocator"])
-        if state.get("pending"):
+        if state.get("pending"):  # a checkpoint that kept the open groups here, not in the replay buffer
             self.runner.restore_pending(state["pending"])

@@ -1,11 +1,12 @@
 """Trajectory validation, the replay buffer, and packing."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
-from jaxrl_agent.replay import ReplayBuffer, Trajectory, pack, validate
+from jaxrl_agent.replay import PartialRollout, ReplayBuffer, Trajectory, pack, validate
 
 
 def _traj(n=10, generated=(5, 6, 7), seed=0, **overrides):
@@ -36,9 +37,10 @@ BAD = {
 def test_invalid_records_are_rejected_with_their_reason(reason):
     t = _traj(**BAD[reason])
     assert validate(t, vocab_size=50, max_length=64) == reason
-    buffer = ReplayBuffer(vocab_size=50, max_length=64)
-    assert buffer.insert([t, _traj(seed=1)]) == 1
-    assert buffer.rejected == {reason: 1} and len(buffer) == 1
+    buffer = ReplayBuffer()
+    good = _traj(seed=1)
+    assert buffer.admit([t, good], vocab_size=50, max_length=64) == [good]
+    assert buffer.rejected == {reason: 1} and buffer.admitted == 1
 
 
 def test_too_long():
@@ -46,25 +48,85 @@ def test_too_long():
 
 
 def test_versions_from_the_future_and_garbage_records():
-    buffer = ReplayBuffer(vocab_size=50, max_length=64)
-    assert buffer.insert([_traj()], current_version=2) == 0
+    buffer = ReplayBuffer()
+    assert buffer.admit([_traj()], vocab_size=50, max_length=64, current_version=2) == []
     assert buffer.rejected == {"version_from_future": 1}
-    assert buffer.insert([object()]) == 0  # not even a Trajectory: counted, not raised
+    assert buffer.admit([object()], vocab_size=50, max_length=64) == []  # not even a Trajectory: counted
     assert sum(buffer.rejected.values()) == 2
 
 
-def test_buffer_is_fifo_bounded_and_checkpointable():
-    buffer = ReplayBuffer(vocab_size=50, max_length=64, capacity=3)
-    buffer.insert([_traj(seed=i) for i in range(5)])
-    assert len(buffer) == 3 and buffer.evicted == 2
-    state = buffer.state_dict()
-    restored = ReplayBuffer(vocab_size=50, max_length=64, capacity=3)
-    restored.load_state_dict(state)
-    a, b = buffer.take(), restored.take()
-    assert [t.task_id for t in a] == [t.task_id for t in b] == ["t2", "t3", "t4"]
-    np.testing.assert_array_equal(a[0].sampler_logprobs, b[0].sampler_logprobs)
-    buffer.insert([_traj(seed=9)])
-    assert [t.task_id for t in buffer.as_grain_dataset()] == ["t9"]
+def _task(i):
+    from jaxrl_agent import envs
+
+    return envs.make("calculator").sample_task(i, 1)
+
+
+def _partial(n, seed=0):
+    t = _traj(n=n, generated=range(n // 2, n), seed=seed)
+    return PartialRollout(tokens=t.tokens, loss_mask=t.loss_mask, sampler_logprobs=t.sampler_logprobs,
+                          policy_version=t.policy_version, turn_start=n // 2, actions=("a",),
+                          observation_digests=("d",), messages=({"role": "user", "content": "q"},), suspensions=1)
+
+
+def test_groups_with_finished_and_suspended_episodes_round_trip_exactly():
+    buffer = ReplayBuffer()
+    first, second = buffer.open(_task(0), 2), buffer.open(_task(1), 3)
+    assert (first, second) == (0, 1)
+    buffer.finish(first, 1, _traj(seed=1))
+    buffer.suspend(first, 0, _partial(12))
+    buffer.suspend(first, 0, _partial(20, seed=2))  # a later snapshot replaces the earlier one
+    buffer.finish(second, 2, _traj(seed=3))
+    assert buffer.tokens == 10 + 20 + 10 and buffer.partial_episodes() == 1
+    assert buffer.unfinished_indices() == [0, 1] and buffer.finished_indices() == []
+    with pytest.raises(ValueError, match="not finished"):
+        buffer.take([first])
+    restored = ReplayBuffer()
+    restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))  # through JSON, as checkpointed
+    assert restored.tokens == buffer.tokens and restored.next_index == 2
+    saved, original = restored.group(first).partial[0], buffer.group(first).partial[0]
+    for field in ("tokens", "loss_mask", "sampler_logprobs", "policy_version"):
+        np.testing.assert_array_equal(getattr(saved, field), getattr(original, field))
+    assert (saved.turn_start, saved.actions, saved.messages) == (10, ("a",), ({"role": "user", "content": "q"},))
+    np.testing.assert_array_equal(restored.group(first).done[1].tokens, _traj(seed=1).tokens)
+    # The episode finishes: its snapshot's tokens are replaced by its trajectory's.
+    restored.finish(first, 0, _traj(n=30, seed=4))
+    assert restored.finished_indices() == [0] and restored.tokens == 10 + 30 + 10
+    (group,) = restored.take([first])
+    assert [t.length for t in group] == [30, 10] and restored.tokens == 10
+    with pytest.raises(ValueError, match="finished twice"):
+        restored.finish(second, 2, _traj())
+    assert [t.task_id for t in restored.as_grain_dataset([])] == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_memory_stays_within_the_token_capacity_under_heavy_tailed_lengths(seed):
+    """Pareto-distributed episode lengths (a few episodes 100x the median): the tokens held, and the
+    bytes of the arrays held, never exceed the capacity; every group lost to it is counted."""
+    rng = np.random.RandomState(seed)
+    capacity = 4_000
+    buffer = ReplayBuffer(capacity_tokens=capacity)
+    opened, taken, evicted_seen = [], 0, 0
+    for step in range(400):
+        if rng.rand() < 0.2 or not buffer.unfinished_indices():
+            opened.append(buffer.open(_task(step), 4))
+        index = int(rng.choice(buffer.unfinished_indices()))
+        group = buffer.group(index)
+        sample = int(rng.choice([i for i in range(4) if i not in group.done]))
+        n = int(min(20 * (1 + rng.pareto(1.1)), 3_000))  # median ~25 tokens, tail to 3000
+        evicted = (buffer.suspend(index, sample, _partial(max(n, 4), seed=step)) if rng.rand() < 0.4 else
+                   buffer.finish(index, sample, _traj(n=max(n, 8), seed=step)))
+        evicted_seen += len(evicted)
+        assert all(i not in buffer for i in evicted)
+        if rng.rand() < 0.1 and buffer.finished_indices():
+            taken += len(buffer.take(buffer.finished_indices()[:1]))
+        held = [buffer.group(i) for i in buffer.unfinished_indices() + buffer.finished_indices()]
+        arrays = [a for g in held for r in [*g.done.values(), *g.partial.values()]
+                  for a in (r.tokens, r.loss_mask, r.sampler_logprobs, r.policy_version)]
+        assert buffer.tokens == sum(g.tokens for g in held) <= capacity
+        assert sum(a.nbytes for a in arrays) <= capacity * 16  # 4 arrays x 4 bytes per token
+    assert buffer.evicted_groups == evicted_seen > 0 and buffer.evicted_tokens > 0
+    assert buffer.peak_tokens <= capacity
+    assert len(buffer) + taken + evicted_seen == len(opened)  # every group accounted for
 
 
 def test_packing_keeps_every_token_and_separates_segments():

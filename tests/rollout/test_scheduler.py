@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxrl_agent import envs, rollout
+from jaxrl_agent import envs, replay, rollout
 from jaxrl_agent import tokenizer as tok
 from jaxrl_agent.replay.trajectory import Trajectory
 from jaxrl_agent.rollout import scheduler
@@ -139,3 +139,117 @@ def test_groups_of_different_sizes_and_their_checkpointed_state():
         assert [len(g) for g in runner.take(indices)] == [1, 3, 5]
     finally:
         runner.close()
+
+
+def _run_iterations(runner, sampler, iterations):
+    """Advances `iterations` learner iterations (new weights each), or until nothing is unfinished."""
+    for _ in range(iterations):
+        assert runner.wait(runner.quiescent, timeout=30)
+        if not runner.unfinished():
+            return
+        sampler.version += 1
+        runner.next_iteration()
+    assert runner.wait(runner.quiescent, timeout=30)
+
+
+def _suspended_state(tasks, iterations=2):
+    make_env = lambda task: rollout.InProcessEnv(envs.make("calculator"))
+    sampler = VersionedSampler(version=0)
+    runner = scheduler.RolloutRunner(sampler, make_env, TOKENIZER, tok.CHATML, _settings(), group_size=2,
+                                     token_budget=7)
+    try:
+        runner.submit(tasks)
+        _run_iterations(runner, sampler, iterations)
+        return runner.pending_state()
+    finally:
+        runner.close()
+
+
+def test_a_restored_runner_continues_suspended_episodes_from_their_saved_tokens():
+    """A checkpoint taken while episodes are suspended, restored into a new runner (a new process):
+    each suspended episode goes on from its saved ids, log-probs and versions (not from its task),
+    and every episode of every saved group ends exactly once."""
+    import json
+
+    env = envs.make("calculator")
+    tasks = [env.sample_task(s, 1 + s % 3) for s in range(3)]
+    state = json.loads(json.dumps(_suspended_state(tasks)))  # through JSON, as a checkpoint holds it
+    saved = {(g["index"], int(i)): p for g in state["groups"] for i, p in g["partial"].items()}
+    assert len(saved) >= 4 and all(p["suspensions"] >= 2 for p in saved.values())
+    sampler = VersionedSampler(version=10)  # the restarted run's weights
+    make_env = lambda task: rollout.InProcessEnv(envs.make("calculator"))
+    runner = scheduler.RolloutRunner(sampler, make_env, TOKENIZER, tok.CHATML, _settings(), group_size=2,
+                                     token_budget=7)
+    try:
+        runner.restore_pending(state)
+        assert runner.resumed_partials == len(saved)
+        _run_iterations(runner, sampler, 10)
+        assert not runner.unfinished()
+        indices = runner.finished()
+        groups = runner.take(indices)
+        more = runner.submit([env.sample_task(9, 1)])
+    finally:
+        runner.close()
+    assert indices == [g["index"] for g in state["groups"]] and more == [len(tasks)]  # indices continue
+    reference = [rollout.expert_trajectory(env, task, envs.expert_policy("calculator"), TOKENIZER, tok.CHATML)
+                 for task in tasks]
+    for index, group, expected in zip(indices, groups, reference):
+        assert [t.sample_index for t in group] == [0, 1]  # each episode once
+        for t in group:
+            np.testing.assert_array_equal(t.tokens, expected.tokens)
+            assert t.reward == 1.0 and t.finish_reason == "answer"
+            p = saved.get((index, t.sample_index))
+            if p is None:
+                continue
+            n = len(p["tokens"])
+            np.testing.assert_array_equal(t.policy_version[:n], p["policy_version"])  # the saved versions ...
+            np.testing.assert_array_equal(t.sampler_logprobs[:n], np.float32(p["sampler_logprobs"]))
+            sampled_after = t.policy_version[n:][t.loss_mask[n:] == 1]
+            assert sampled_after.size and sampled_after.min() >= 10  # ... then the new weights' tokens
+            assert t.policy_version[:n].max() < 10
+
+
+def test_an_environment_that_answers_differently_on_replay_ends_its_episode_recorded():
+    env = envs.make("calculator")
+    tasks = [env.sample_task(s, 3) for s in range(2)]
+    state = _suspended_state(tasks, iterations=3)
+    tampered = [(g, int(i)) for g in state["groups"] for i, p in g["partial"].items() if p["observation_digests"]]
+    assert tampered, "no suspended episode past its first tool call"
+    group, sample = tampered[0]
+    partial = group["partial"][str(sample)]
+    partial["observation_digests"] = ["0" * 16] * len(partial["observation_digests"])
+    sampler = VersionedSampler(version=5)
+    runner = scheduler.RolloutRunner(sampler, lambda task: rollout.InProcessEnv(envs.make("calculator")), TOKENIZER,
+                                     tok.CHATML, _settings(), group_size=2, token_budget=7)
+    try:
+        runner.restore_pending(state)
+        _run_iterations(runner, sampler, 10)
+        groups = dict(zip(runner.finished(), runner.take(runner.finished())))
+    finally:
+        runner.close()
+    t = groups[group["index"]][sample]
+    assert t.finish_reason == "env_resume_mismatch" and t.reward == 0.0 and "answered differently" in t.turns[-1]["error"]
+    np.testing.assert_array_equal(t.tokens, partial["tokens"])  # its saved tokens kept, on the record
+    others = [u for i, g in groups.items() for u in g if (i, u.sample_index) != (group["index"], sample)]
+    assert others and all(u.finish_reason == "answer" for u in others)
+
+
+def test_a_full_buffer_evicts_whole_groups_oldest_first_and_stops_their_episodes():
+    env = envs.make("calculator")
+    tasks = [env.sample_task(s, 3) for s in range(4)]
+    sampler = VersionedSampler(version=0)
+    buffer = replay.ReplayBuffer(capacity_tokens=250)
+    runner = scheduler.RolloutRunner(sampler, lambda task: rollout.InProcessEnv(envs.make("calculator")), TOKENIZER,
+                                     tok.CHATML, _settings(), group_size=2, token_budget=7, buffer=buffer)
+    try:
+        indices = runner.submit(tasks)
+        _run_iterations(runner, sampler, 12)
+        assert runner.running_episodes() == 0  # evicted groups' episodes were stopped, not left running
+        kept = runner.finished()
+        groups = runner.take(kept)
+    finally:
+        runner.close()
+    assert buffer.evicted_groups > 0 and buffer.peak_tokens <= 250
+    assert kept and set(kept) < set(indices) and min(kept) > min(indices)  # the oldest went first
+    assert buffer.evicted_groups + len(kept) == len(indices)
+    assert all(t.finish_reason == "answer" for g in groups for t in g)
