@@ -321,13 +321,14 @@ def run_rl(run: Run) -> None:
             run.params, run.version = state.params, resume.version
             run.trained_tokens_total = resume.trained_tokens_total
             checkpoint.set_rng_state(run.rng, resume.rng)
-            # The buffer's groups continue: finished episodes kept, suspended ones from their tokens.
-            source.runner.restore_pending(resume.replay)
             source.load_state_dict(resume.source)
             run.invariants = invariants.MonitorState.from_dict(resume.invariants, run.invariant_settings)
             if run.invariant_settings.respond:
                 _steer(run, source)
             run.sampler.update_weights(run.params, run.version)
+            # The buffer's groups continue (finished episodes kept, suspended ones from their
+            # tokens), on the restored weights: so only once the sampler has them.
+            source.runner.restore_pending(resume.replay, legacy_pending=resume.source.get("pending"))
             first_iteration = resume.iteration + 1
         run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
     if config.reward.judge and run.judge is None:

@@ -105,3 +105,73 @@ def test_sigkill_then_resume_continues_the_same_schedule(tmp_path, tasks):
         assert data_record["skipped_records"] == {"not_json": 1, "missing_prompt": 1}
         assert all(len(r["task_ids"]) == 3 for r in after)
     assert any(r["stage"] == "rl_eval" and r["step"] == ITERATIONS for r in records)
+
+
+def _episodes(workdir):
+    path = workdir / "episodes.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_run_continues_its_partial_rollouts_from_their_saved_tokens(tmp_path):
+    """An asynchronous run with partial rollouts (token budget 8 per episode per iteration) is
+    killed with SIGKILL, then resumed: every episode the checkpoint held — suspended ones with their
+    tokens, finished ones of unfinished groups — is trained once, the suspended ones continuing from
+    their saved ids, log-probs and versions; none lost, none duplicated."""
+    from jaxrl_agent import checkpoint
+
+    workdir = tmp_path / "run"
+    flags = _flags(workdir) + [
+        "--config.rollout.schedule=async", "--config.rollout.token_budget=8", "--config.rollout.max_tokens_per_turn=24",
+        "--config.rollout.max_turns=3", "--config.rollout.max_staleness=100", "--config.checkpoint.keep=100",
+        "--config.metrics.episodes_log=True", "--config.sft.steps=2"]
+    victim = _launch(flags)
+    deadline = time.time() + 600
+    while not any(r["stage"] == "rl" and r["step"] >= 3 for r in _records(workdir)):
+        assert victim.poll() is None, victim.stderr.read()[-3000:]
+        assert time.time() < deadline, "the run never reached RL iteration 3"
+        time.sleep(0.2)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    before = _episodes(workdir)
+
+    resumed = _launch(flags + ["--config.resume=True", "--config.rl.iterations=9"])
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+    records = _records(workdir)
+    resume = next(r for r in records if r["stage"] == "resume")
+    assert resume["from_stage"] == "rl" and resume["step"] >= 2
+    saved_at = resume["step"]
+    sft_steps = 2
+    checkpointer = checkpoint.Checkpointer(str(workdir / "checkpoints"), keep=100)
+    saved = checkpointer.select(sft_steps + saved_at)
+    held = saved.replay
+    final = checkpointer.select(sft_steps + 9).replay
+    checkpointer.close()
+
+    partial = {(f"g{g['index']}", int(i)): p for g in held["groups"] for i, p in g["partial"].items()}
+    done = {(f"g{g['index']}", int(i)): t for g in held["groups"] for i, t in g["done"].items()}
+    assert partial, "the checkpoint held no suspended episode"
+    trained_before = [e["trajectory"] for e in before if e["iteration"] <= saved_at]
+    trained_after = [e["trajectory"] for e in _episodes(workdir)[len(before):]]
+    keys = [(t["group_id"], t["sample_index"]) for t in trained_before + trained_after]
+    assert len(keys) == len(set(keys)), "an episode was trained twice"
+    after = {(t["group_id"], t["sample_index"]): t for t in trained_after}
+    still_held = {(f"g{g['index']}", int(i)) for g in final["groups"]
+                  for i in range(g["size"])}
+    for key, p in partial.items():
+        if key in still_held:
+            continue
+        t = after[key]  # not lost: trained after the resume ...
+        n = len(p["tokens"])
+        assert t["tokens"][:n] == p["tokens"], key  # ... continuing from the saved ids,
+        assert t["policy_version"][:n] == p["policy_version"], key  # the saved versions
+        assert t["sampler_logprobs"][:n] == p["sampler_logprobs"], key  # and log-probs
+        resumed_versions = [v for v, m in zip(t["policy_version"][n:], t["loss_mask"][n:]) if m]
+        assert resumed_versions and min(resumed_versions) >= saved.version  # then the restored weights' own
+    for key, t in done.items():
+        if key not in still_held:
+            assert after[key]["tokens"] == t["tokens"] and after[key]["sampler_logprobs"] == t["sampler_logprobs"]
+    first_rl = next(r for r in records[records.index(resume):] if r["stage"] == "rl")
+    assert first_rl["replay/resumed_partials"] == len(partial)
+    assert len(partial) - len(still_held & set(partial)) >= 1

@@ -306,14 +306,15 @@ class RolloutRunner:
         with self._lock:
             return self.buffer.state_dict()
 
-    def restore_pending(self, state: dict) -> None:
+    def restore_pending(self, state: dict, legacy_pending: dict | None = None) -> None:
         """Loads checkpointed groups into the buffer under their own indices and continues them:
-        suspended episodes from their partial rollouts, the others from their tasks."""
+        suspended episodes from their partial rollouts, the others from their tasks.
+        `legacy_pending`: the open groups of a checkpoint written before they lived in the buffer
+        (the task source's `pending`: finished groups kept, unfinished ones restarted from the task)."""
         with self._lock:
-            if any("trajectories" in g for g in state.get("groups", ())):
-                self.buffer.load_pending_groups(state)  # written by the task source of earlier versions
-            else:
-                self.buffer.load_state_dict(state)
+            self.buffer.load_state_dict(state)
+            if legacy_pending:
+                self.buffer.load_pending_groups(legacy_pending)
             unfinished = self.buffer.unfinished_indices()
             for index in unfinished:
                 group = self.buffer.group(index)

@@ -10,7 +10,8 @@ groups — fresh tasks of `group_size` episodes, or the `TaskAllocator`'s choice
 group sizes, over-sampled for DAPO's dynamic sampling — selects the trainable ones as the schedule
 says (sync barrier, windowed FIFO, async), keeps the non-sync schedules topped up, and runs
 Reinforce-Ada's rounds (`until_mixed`). `next_groups()` is one iteration's groups; `observe()`
-feeds the outcomes back to the allocator; `state_dict()` is everything a resume needs.
+feeds the outcomes back to the allocator; `state_dict()` is the stream's and the allocator's state
+(the open groups are the replay buffer's).
 """
 
 from __future__ import annotations
@@ -217,5 +218,3 @@ class RolloutSource:
         self.nonzero_share = float(state.get("nonzero_share", 1.0))
         if self.allocator is not None and state.get("allocator"):
             self.allocator.load_state_dict(state["allocator"])
-        if state.get("pending"):  # a checkpoint that kept the open groups here, not in the replay buffer
-            self.runner.restore_pending(state["pending"])

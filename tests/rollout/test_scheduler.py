@@ -253,3 +253,23 @@ def test_a_full_buffer_evicts_whole_groups_oldest_first_and_stops_their_episodes
     assert kept and set(kept) < set(indices) and min(kept) > min(indices)  # the oldest went first
     assert buffer.evicted_groups + len(kept) == len(indices)
     assert all(t.finish_reason == "answer" for g in groups for t in g)
+
+
+def test_a_checkpoint_that_kept_open_groups_with_the_task_source_still_resumes():
+    env = envs.make("calculator")
+    tasks = [env.sample_task(s, 1) for s in range(2)]
+    kept = rollout.expert_trajectory(env, tasks[1], envs.expert_policy("calculator"), TOKENIZER, tok.CHATML)
+    legacy = {"next_index": 5, "groups": [
+        {"index": 3, "task": tasks[0].to_dict(), "size": 2, "trajectories": None},
+        {"index": 4, "task": tasks[1].to_dict(), "size": 1, "trajectories": [kept.to_dict()]}]}
+    runner = scheduler.RolloutRunner(VersionedSampler(version=0), lambda task: rollout.InProcessEnv(
+        envs.make("calculator")), TOKENIZER, tok.CHATML, _settings(), group_size=2)
+    try:
+        runner.restore_pending({"rejected": {}}, legacy_pending=legacy)
+        assert runner.wait(lambda: not runner.unfinished_unlocked(), timeout=30)
+        restarted, finished = runner.take([3, 4])
+        assert runner.submit([tasks[0]]) == [5]
+    finally:
+        runner.close()
+    assert [t.reward for t in restarted] == [1.0, 1.0]  # the unfinished group ran again from its task
+    np.testing.assert_array_equal(finished[0].tokens, kept.tokens)  # the finished one kept as saved
