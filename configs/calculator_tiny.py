@@ -89,7 +89,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.num_servers = 0
     # Servers only: the most MiB of one parameter per weight-sync message (weights are streamed in
     # chunks, so no gRPC message cap limits the model's size).
-    config.sampler.weight_chunk_mb = 16
+    config.sampler.weight_chunk_mb = 16.0
+    # Sampler servers started elsewhere ('host:port,...' of `jaxrl-agent sampler-server` processes,
+    # serving this config's model, with the run's token in $JAXRL_AGENT_TOKEN or its file), instead
+    # of num_servers local ones: requests are balanced over them and fail over; one that returns
+    # after a restart is sent the current weights (checked every rejoin_check_s seconds).
+    config.sampler.addresses = ""
+    config.sampler.rejoin_check_s = 2.0  # Seconds between checks for returned servers that lack the weights.
+    config.sampler.tls_ca_file = ""  # PEM CA of the servers' TLS certificates ('' = plain gRPC).
 
     config.env = ml_collections.ConfigDict()
     config.env.name = "calculator"  # Environment (see jaxrl_agent.envs.registered()).

@@ -167,6 +167,18 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def write_config_file(config, path: str) -> str:
+    """A config file (`--config path`) that rebuilds `config` exactly, overrides included: what the
+    run's sampler servers load, here or on other hosts (`sampler.addresses`). Returns the path."""
+    import json
+
+    with open(path, "w") as f:
+        f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
+                "import json\n\nimport ml_collections\n\n\ndef get_config():\n"
+                f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
+    return path
+
+
 class SamplerServers:
     """`n` JetStream sampler server processes (`jaxrl-agent sampler-server`) on this host, serving the
     run's exact config, a client over all of them, and a supervisor.
@@ -188,11 +200,7 @@ class SamplerServers:
         from jaxrl_agent.sampling.client import BackgroundSamplerClient
 
         os.makedirs(workdir, exist_ok=True)
-        self.config_path = os.path.join(os.path.abspath(workdir), "sampler_config.py")
-        with open(self.config_path, "w") as f:
-            f.write('"""Written by the trainer: the run\'s config for its sampler servers."""\n'
-                    "import json\n\nimport ml_collections\n\n\ndef get_config():\n"
-                    f"    return ml_collections.ConfigDict(json.loads({json.dumps(config.to_json())}))\n")
+        self.config_path = write_config_file(config, os.path.join(os.path.abspath(workdir), "sampler_config.py"))
         # The servers' shared token: the user's, or a fresh one, handed over in their environment.
         token = auth.load_token(required=False) or auth.new_token()
         env = {**os.environ, auth.TOKEN_ENV: token, "JAXRL_AGENT_PARENT_PID": str(os.getpid())}
@@ -432,21 +440,59 @@ def invariant_settings(config):
                     entropy_floor=c.entropy_floor, distinct_solutions_floor=c.distinct_solutions_floor)
 
 
+def host_ports(value, key: str) -> list[tuple[str, int]]:
+    """'host:port,host:port' -> [(host, port)]; a ConfigError naming `key` for anything else."""
+    addresses = []
+    for part in split_list(value):
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"{key}={value!r}: {part!r} is not 'host:port' (expected 'host:port[,host:port...]')")
+        addresses.append((host, int(port)))
+    if not addresses:
+        raise ConfigError(f"{key}={value!r}: expected 'host:port[,host:port...]'")
+    return addresses
+
+
 def env_service_addresses(config) -> list[tuple[str, int]]:
     """The remote env servers of `env.service='host:port,...'` ([] for 'inprocess' and 'pool')."""
     service = config.env.service
     if service in ENV_SERVICES:
         return []
-    addresses = []
-    for part in split_list(service):
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"env.service={service!r}: expected one of {ENV_SERVICES} or "
-                              "'host:port[,host:port...]'")
-        addresses.append((host, int(port)))
-    if not addresses:
-        raise ConfigError(f"env.service={service!r}: expected one of {ENV_SERVICES} or 'host:port[,...]'")
-    return addresses
+    try:
+        return host_ports(service, "env.service")
+    except ConfigError:
+        raise ConfigError(f"env.service={service!r}: expected one of {ENV_SERVICES} or "
+                          "'host:port[,host:port...]'") from None
+
+
+def sampler_addresses(config) -> list[str]:
+    """The sampler servers run elsewhere (`sampler.addresses`), as 'host:port'; [] when unset."""
+    if not config.sampler.addresses:
+        return []
+    return [f"{host}:{port}" for host, port in host_ports(config.sampler.addresses, "sampler.addresses")]
+
+
+def build_remote_sampler(config, params):
+    """A client over the sampler servers of `sampler.addresses`, holding `params` as version 0
+    (the first push must reach at least one server, or the run stops here, naming them), then
+    watching for servers that return and need the current weights."""
+    from jaxrl_agent import auth
+    from jaxrl_agent.sampling.client import BackgroundSamplerClient, SamplerUnavailableError
+
+    addresses = sampler_addresses(config)
+    client = BackgroundSamplerClient(addresses, token=auth.load_token(),
+                                     tls_ca_file=os.path.expanduser(config.sampler.tls_ca_file) or None,
+                                     weight_chunk_bytes=int(config.sampler.weight_chunk_mb * 2**20))
+    try:
+        client.update_weights(params, 0)
+    except SamplerUnavailableError as err:
+        client.close()
+        raise ConfigError(f"sampler.addresses={config.sampler.addresses!r}: no server took the initial weights "
+                          f"({err}); start them with `jaxrl-agent sampler-server --config <this config> --port P "
+                          "--await_weights` and the run's token") from None
+    client.supervised = True  # from here on a server may be down for a while: its pushes wait for its return
+    client.watch(config.sampler.rejoin_check_s)
+    return client
 
 
 def validate_config(config, *, reward_fn_given: bool = False) -> None:
@@ -502,6 +548,16 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"tokenizer.template='model' reads the tokenizer folder's chat_template: it needs tokenizer.kind='hf', "
          f"not {tk.kind!r}")
     one_of("learner.master_dtype", config.learner.master_dtype, ("", "float32"))
+    remote_samplers = sampler_addresses(config)
+    need(not (remote_samplers and config.sampler.num_servers > 0),
+         f"sampler.addresses={config.sampler.addresses!r} and sampler.num_servers={config.sampler.num_servers}: "
+         "expected one of them (servers run elsewhere, or started here)")
+    need(config.sampler.rejoin_check_s > 0, f"sampler.rejoin_check_s={config.sampler.rejoin_check_s}: expected > 0")
+    if config.sampler.tls_ca_file:
+        need(bool(remote_samplers), f"sampler.tls_ca_file={config.sampler.tls_ca_file!r} is for sampler.addresses")
+        need(os.path.isfile(os.path.expanduser(config.sampler.tls_ca_file)),
+             f"sampler.tls_ca_file={config.sampler.tls_ca_file!r}: no such file (expected the PEM CA certificate "
+             "that signed the sampler servers' certificates)")
     need(config.sampler.weight_chunk_mb > 0,
          f"sampler.weight_chunk_mb={config.sampler.weight_chunk_mb}: expected > 0 (MiB of a parameter per message)")
     need(config.rollout.top_k >= 0, f"rollout.top_k={config.rollout.top_k}: expected >= 0 (0 = off)")

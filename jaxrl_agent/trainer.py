@@ -199,6 +199,8 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
             servers = build.SamplerServers(config, config.sampler.num_servers, workdir)
             sampler = servers.client
             sampler.update_weights(params, 0)
+        elif config.sampler.addresses:  # servers run elsewhere, by address
+            sampler = build.build_remote_sampler(config, params)
         else:
             from jaxrl_agent.sampling import LocalSampler
 
@@ -427,6 +429,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
             **replay_stats, "replay/resumed_partials": source.runner.resumed_partials,
             **({"sampler_server_restarts": run.servers.restarts} if run.servers is not None else {}),
+            **({"sampler_rejoined": run.sampler.stats["rejoined"]} if config.sampler.addresses else {}),
             **judge_metrics,
             **run.environments.stats(),
         })

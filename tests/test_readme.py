@@ -35,6 +35,7 @@ TESTED_BLOCKS = {
     "huggingface-cli download Qwen/Qwen3-0.6B": "test_qwen3_section_commands_run (slow)",
     "launch/local_cluster.py -n 2": "test_local_cluster_command_runs (slow)",
     "jaxrl-agent env-server": "test_several_hosts_commands_run (slow)",
+    "--config.sampler.addresses=": "test_sampler_servers_by_address_commands_run (slow)",
 }
 
 
@@ -265,3 +266,34 @@ def test_several_hosts_commands_run(tmp_path, monkeypatch):
         assert json.loads((tmp_path / "config.json").read_text())["sampler"]["num_servers"] == 2
     finally:
         server.kill()
+
+
+@pytest.mark.slow
+def test_sampler_servers_by_address_commands_run(tmp_path, monkeypatch):
+    """Two sampler servers started as README says (the same config, the token), then a trainer on
+    them by address."""
+    *servers, train = _commands(_block("--config.sampler.addresses="))
+    monkeypatch.setenv("JAXRL_AGENT_TOKEN", "t" * 64)
+    processes, addresses = [], []
+    try:
+        for command in servers:
+            args = shlex.split(command.rstrip("&").strip().replace("configs/", f"{ROOT}/configs/"))
+            assert args[:2] == ["jaxrl-agent", "sampler-server"] and "--await_weights" in args, command
+            args[args.index("--port") + 1] = "0"
+            args += [f"--config.{k}={v}" for k, v in QUICK.items()]  # the trainer's model, as README says
+            processes.append(subprocess.Popen([sys.executable, "-m", "jaxrl_agent.cli", *args[1:]],
+                                              stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                              env={**os.environ, **ONE_DEVICE}))
+        for process in processes:
+            line = next(line for line in process.stdout if line.startswith("sampler server listening on "))
+            addresses.append(line.split()[-1])
+        train = train.replace("127.0.0.1:9000,127.0.0.1:9001", ",".join(addresses))
+        done = _run(train, cwd=ROOT, overrides={**QUICK, "workdir": tmp_path}, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rl = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+        rl = [r for r in rl if r["stage"] == "rl"]
+        assert [r["step"] for r in rl] == [1, 2] and all(r["rollouts"] == 6 and r["policy_lag_max"] == 0 for r in rl)
+        assert all(r["sampler_generate_calls"] > 0 for r in rl)
+    finally:
+        for process in processes:
+            process.kill()

@@ -83,7 +83,8 @@ class SamplerClient:
         self.affinity_slack = affinity_slack
         self._routes: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # first prompt -> server
         self._route_lengths: collections.Counter[int] = collections.Counter()
-        self.stats = {"retries": 0, "affinity_hits": 0}
+        self.stats = {"retries": 0, "affinity_hits": 0, "rejoined": 0}
+        self._push_lock = asyncio.Lock()  # one weight push at a time (updates, resyncs, rejoins)
 
     def _affine(self, prompt: np.ndarray) -> tuple[bytes, int | None]:
         """(key, server index) of the longest remembered first prompt that `prompt` starts with; for
@@ -171,20 +172,46 @@ class SamplerClient:
         import jax
 
         host = jax.device_get(params)
-        self._latest_weights = (host, int(version))
-        _, failures = await self._each(lambda s: s.stream_weights(
-            weight_messages(host, version, self.weight_chunk_bytes), timeout=self.timeout_s))
+        async with self._push_lock:
+            self._latest_weights = (host, int(version))
+            _, failures = await self._each(lambda s: s.stream_weights(
+                weight_messages(host, version, self.weight_chunk_bytes), timeout=self.timeout_s))
         return failures
 
     async def resync(self, index: int) -> None:
         """Sends the latest weights again to server `index` (after a restart) and clears its cooldown."""
         server = self._servers[index]
-        latest = getattr(self, "_latest_weights", None)
-        if latest is not None:  # waits for the channel to reconnect (it backs off after refusals)
-            host, version = latest
-            await server.stream_weights(weight_messages(host, version, self.weight_chunk_bytes),
-                                        timeout=self.timeout_s, wait_for_ready=True)
+        async with self._push_lock:
+            latest = getattr(self, "_latest_weights", None)
+            if latest is not None:  # waits for the channel to reconnect (it backs off after refusals)
+                host, version = latest
+                await server.stream_weights(weight_messages(host, version, self.weight_chunk_bytes),
+                                            timeout=self.timeout_s, wait_for_ready=True)
         server.down_until = 0.0
+
+    async def rejoin_lagging(self, timeout_s: float = 5.0) -> list[str]:
+        """Servers started elsewhere (`sampler.addresses`) come and go on their own: each one that
+        answers Info with another version than the latest push — restarted, so on its initial
+        weights, or back after missing pushes — is sent the latest weights. Returns their addresses."""
+        rejoined = []
+        async with self._push_lock:
+            latest = getattr(self, "_latest_weights", None)
+            if latest is None:
+                return rejoined
+            host, version = latest
+            for server in self._servers:
+                try:
+                    info = await server.info({}, timeout=timeout_s)
+                    if int(info.get("version", -1)) == version:
+                        continue
+                    await server.stream_weights(weight_messages(host, version, self.weight_chunk_bytes),
+                                                timeout=self.timeout_s)
+                except grpc.aio.AioRpcError:
+                    continue  # still down: tried again on the next round
+                server.down_until = 0.0
+                self.stats["rejoined"] += 1
+                rejoined.append(server.address)
+        return rejoined
 
     async def load_checkpoint(self, path: str, version: int) -> dict[str, Exception]:
         _, failures = await self._each(
@@ -252,10 +279,25 @@ class BackgroundSamplerClient:
         """The latest weights to server `index` again (after its restart)."""
         self._run(self.client.resync(index), timeout=self.client.timeout_s)
 
+    def watch(self, every_s: float) -> None:
+        """Every `every_s` seconds, sends the latest weights to any server that lacks them
+        (`SamplerClient.rejoin_lagging`): servers run elsewhere rejoin on their own when they return."""
+        async def loop():
+            while True:
+                await asyncio.sleep(every_s)
+                try:
+                    await self.client.rejoin_lagging()
+                except Exception as err:  # noqa: BLE001 - the watch goes on; the next round retries
+                    print(f"warning: sampler rejoin check failed: {type(err).__name__}: {err}", flush=True)
+
+        self._watch = asyncio.run_coroutine_threadsafe(loop(), self.loop)
+
     def sampler_stats(self) -> dict[str, float]:
         return self._run(self.client.sampler_stats(), timeout=self.client.timeout_s)
 
     def close(self) -> None:
+        if getattr(self, "_watch", None) is not None:
+            self._watch.cancel()
         try:
             self._run(self.client.close(), timeout=10)
         finally:
