@@ -36,31 +36,59 @@ class EvalSpec:
 
 def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Environment], tokenizer, template,
              spec: EvalSpec, *, greedy: rollout.EpisodeSettings, sampled: rollout.EpisodeSettings,
-             progress: Callable[[int], None] | None = None) -> dict[str, float]:
+             progress: Callable[[int], None] | None = None, shard: tuple[int, int] = (0, 1),
+             gather: Callable[[dict], list[dict]] | None = None) -> dict[str, float]:
     """Runs the held-out episodes; returns the `eval/*` metrics (and `eval/seconds`).
-    `progress(levels_done)` is called after each (environment, level)."""
+    `progress(levels_done)` is called after each (environment, level).
+
+    With several processes, `shard=(index, count)` runs this process's share of every level's tasks
+    (task i where i % count == index, with task i's own seeds) and `gather(outcomes)` — every
+    process's outcomes, in process order (`sharding.gather_objects`) — pools them, so every process
+    returns the job's metrics over all the tasks."""
     started = time.monotonic()
-    results: dict[str, float] = {}
-    mixture = len(spec.levels) > 1
-    headline = []
+    index, count = shard
+    outcomes: dict[str, dict] = {}  # "name/level" -> this process's per-task successes
     done = 0
-    for name, (levels, trained_levels) in spec.levels.items():
+    for name, (levels, _) in spec.levels.items():
         env = environments[name]
-        prefix = f"eval/{name}/" if mixture else "eval/"
         for d in levels:
-            tasks = [env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, d) for i in range(spec.tasks_per_difficulty)]
+            ids = list(range(index, spec.tasks_per_difficulty, count))
+            tasks = [env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, d) for i in ids]
             groups = run_coroutine(rollout.collect_groups(sampler, make_env, tasks, 1, tokenizer, template, greedy,
-                                                        seed=EVAL_GREEDY_SEED))
-            results[f"{prefix}pass@1/d{d}"] = float(np.mean([success(g[0]) for g in groups]))
+                                                        seed=EVAL_GREEDY_SEED, group_indices=ids))
+            outcome = {"greedy": [success(g[0]) for g in groups]}
             if spec.pass_k > 1:
                 groups = run_coroutine(rollout.collect_groups(sampler, make_env, tasks, spec.pass_k, tokenizer,
-                                                            template, sampled, seed=EVAL_SAMPLED_SEED))
-                successes = [[success(t) > 0 for t in g] for g in groups]
-                results[f"{prefix}sampled_pass@1/d{d}"] = invariants.mean_pass_at_k(successes, 1)
-                results[f"{prefix}pass@{spec.pass_k}/d{d}"] = invariants.mean_pass_at_k(successes, spec.pass_k)
+                                                            template, sampled, seed=EVAL_SAMPLED_SEED,
+                                                            group_indices=ids))
+                outcome["sampled"] = [[bool(success(t) > 0) for t in g] for g in groups]
+            outcomes[f"{name}/{d}"] = outcome
             done += 1
             if progress is not None:
                 progress(done)
+    if gather is not None:
+        shares = gather(outcomes)
+        outcomes = {key: {part: [x for share in shares for x in share[key][part]] for part in outcome}
+                    for key, outcome in outcomes.items()}
+    results = metrics_from_outcomes(spec, outcomes)
+    results["eval/seconds"] = time.monotonic() - started
+    return results
+
+
+def metrics_from_outcomes(spec: EvalSpec, outcomes: Mapping[str, Mapping[str, list]]) -> dict[str, float]:
+    """The `eval/*` metrics from per-task outcomes: {"name/level": {"greedy": [success per task],
+    "sampled": [[success per sample] per task]}} (sampled with pass_k > 1 only)."""
+    results: dict[str, float] = {}
+    mixture = len(spec.levels) > 1
+    headline = []
+    for name, (levels, trained_levels) in spec.levels.items():
+        prefix = f"eval/{name}/" if mixture else "eval/"
+        for d in levels:
+            outcome = outcomes[f"{name}/{d}"]
+            results[f"{prefix}pass@1/d{d}"] = float(np.mean(outcome["greedy"])) if outcome["greedy"] else 0.0
+            if spec.pass_k > 1:
+                results[f"{prefix}sampled_pass@1/d{d}"] = invariants.mean_pass_at_k(outcome["sampled"], 1)
+                results[f"{prefix}pass@{spec.pass_k}/d{d}"] = invariants.mean_pass_at_k(outcome["sampled"], spec.pass_k)
         trained = [results[f"{prefix}pass@1/d{d}"] for d in levels if d in trained_levels]
         env_success = float(np.mean(trained)) if trained else 0.0
         if mixture:
@@ -74,7 +102,6 @@ def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Enviro
         gaps = [v - results[k.replace("/pass@1/", "/sampled_pass@1/")] for k, v in results.items()
                 if "/pass@1/" in k and "sampled" not in k and k.replace("/pass@1/", "/sampled_pass@1/") in results]
         results["eval/deploy_gap"] = float(np.mean(gaps)) if gaps else 0.0
-    results["eval/seconds"] = time.monotonic() - started
     return results
 
 

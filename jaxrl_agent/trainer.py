@@ -125,7 +125,10 @@ class Run:
             results = evaluation.evaluate(
                 self.sampler, self.environments.make_env, self.environments.environments, self.tokenizer,
                 self.template, self.eval_spec, greedy=self.episode_settings(0.0),
-                sampled=self.episode_settings(self.config.rollout.temperature), progress=progress)
+                sampled=self.episode_settings(self.config.rollout.temperature), progress=progress,
+                # With several processes each evaluates its share of the tasks; all get the job's numbers.
+                shard=(jax.process_index(), jax.process_count()),
+                gather=sharding.gather_objects if jax.process_count() > 1 else None)
         self.last_eval_seconds = results["eval/seconds"]
         return results
 

@@ -19,12 +19,17 @@ from jaxrl_agent.rollout.scheduler import episode_seed
 
 
 async def collect_groups(sampler, make_env: Callable[[env_api.Task], EpisodeEnv], tasks: Sequence[env_api.Task],
-                         group_size: int, tokenizer, template, settings: EpisodeSettings, *, seed: int = 0
-                         ) -> list[list[Trajectory]]:
+                         group_size: int, tokenizer, template, settings: EpisodeSettings, *, seed: int = 0,
+                         group_indices: Sequence[int] | None = None) -> list[list[Trajectory]]:
+    """G episodes of each task, all concurrently. Group g's episodes have seeds
+    `episode_seed(seed, group_indices[g], i)` (default: g) — a process evaluating its share of a
+    task list passes the tasks' places in the whole list, so each task keeps its seeds."""
+    group_indices = range(len(tasks)) if group_indices is None else group_indices
+
     async def group(g: int, task: env_api.Task):
         return await asyncio.gather(*(
             run_episode(sampler, make_env(task), task, tokenizer, template, settings, seed=episode_seed(seed, g, i),
                         group_id=f"{seed}/{g}", sample_index=i)
             for i in range(group_size)))
 
-    return list(await asyncio.gather(*(group(g, t) for g, t in enumerate(tasks))))
+    return list(await asyncio.gather(*(group(g, t) for g, t in zip(group_indices, tasks))))
