@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
     # 0 = the in-process sampler; N = N JetStream server processes (launch/sampler_server.py) on
     # this host, fed new weights over gRPC after every update (each with the slots above).
     config.sampler.num_servers = 0
+    # Pins each local server to its own GPUs ('0,1;2,3': server 0 sees GPUs 0-1, server 1 GPUs 2-3;
+    # through CUDA_VISIBLE_DEVICES). '' = every server sees every device. Servers run elsewhere
+    # (sampler.addresses) are pinned where they are started: CUDA_VISIBLE_DEVICES=2 jaxrl-agent sampler-server ...
+    config.sampler.server_devices = ""
     # Servers only: the most MiB of one parameter per weight-sync message (weights are streamed in
     # chunks, so no gRPC message cap limits the model's size).
     config.sampler.weight_chunk_mb = 16.0

@@ -167,6 +167,19 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def server_devices(config, n: int) -> list[str]:
+    """`sampler.server_devices` ('0,1;2,3': server i's GPUs, ';' between servers) as one
+    CUDA_VISIBLE_DEVICES value per server ('' each when unset: every server sees every device)."""
+    value = config.sampler.server_devices
+    if not value:
+        return [""] * n
+    parts = [p.strip() for p in value.split(";")]
+    if len(parts) != n or any(not p or not all(d.strip().isdigit() for d in p.split(",")) for p in parts):
+        raise ConfigError(f"sampler.server_devices={value!r}: expected {n} groups of device indices separated by "
+                          f"';' (one per sampler.num_servers={n}), e.g. '0,1;2,3'")
+    return [",".join(d.strip() for d in p.split(",")) for p in parts]
+
+
 def write_config_file(config, path: str) -> str:
     """A config file (`--config path`) that rebuilds `config` exactly, overrides included: what the
     run's sampler servers load, here or on other hosts (`sampler.addresses`). Returns the path."""
@@ -216,7 +229,8 @@ class SamplerServers:
         self._env, self._python = env, sys.executable
         self.startup_timeout_s = startup_timeout_s
         self.restarts = 0
-        self.processes = [self._spawn(0) for _ in range(n)]
+        self.devices = server_devices(config, n)  # each server's own accelerators ('' = all visible)
+        self.processes = [self._spawn(0, i) for i in range(n)]
         self.addresses = []
         try:
             for index in range(n):
@@ -231,7 +245,7 @@ class SamplerServers:
                             raise
                         print(f"warning: {err}; starting it again ({attempt}/{startup_attempts - 1})", flush=True)
                         self.processes[index].kill()
-                        self.processes[index] = self._spawn(0)
+                        self.processes[index] = self._spawn(0, index)
         except RuntimeError:
             self.close()
             raise
@@ -245,13 +259,16 @@ class SamplerServers:
             self._monitor = threading.Thread(target=self._supervise, name="sampler-supervisor", daemon=True)
             self._monitor.start()
 
-    def _spawn(self, port: int):
+    def _spawn(self, port: int, index: int):
         import subprocess
 
+        env = self._env
+        if self.devices[index]:  # pinned: the server sees only its own GPUs
+            env = {**env, "CUDA_VISIBLE_DEVICES": self.devices[index]}
         # --await_weights: a (re)started server samples nothing before the trainer's weights arrive.
         return subprocess.Popen([self._python, "-m", "jaxrl_agent.cli", "sampler-server", "--config", self.config_path,
                                  "--port", str(port), "--await_weights"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self._env)
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
     def _wait_ready(self, process) -> str:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -274,7 +291,7 @@ class SamplerServers:
                     continue
                 port = int(self.addresses[index].rsplit(":", 1)[1])
                 try:
-                    replacement = self._spawn(port)
+                    replacement = self._spawn(port, index)
                     self.processes[index] = replacement
                     self._wait_ready(replacement)
                     self.client.resync(index)
@@ -552,6 +569,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(not (remote_samplers and config.sampler.num_servers > 0),
          f"sampler.addresses={config.sampler.addresses!r} and sampler.num_servers={config.sampler.num_servers}: "
          "expected one of them (servers run elsewhere, or started here)")
+    if config.sampler.server_devices:
+        server_devices(config, config.sampler.num_servers)
     need(config.sampler.rejoin_check_s > 0, f"sampler.rejoin_check_s={config.sampler.rejoin_check_s}: expected > 0")
     if config.sampler.tls_ca_file:
         need(bool(remote_samplers), f"sampler.tls_ca_file={config.sampler.tls_ca_file!r} is for sampler.addresses")

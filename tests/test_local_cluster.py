@@ -93,3 +93,48 @@ def test_killing_one_process_stops_the_job_within_a_minute_and_a_restart_resumes
     resumed = [r for r in records if r["stage"] == "resume"]
     assert len(resumed) == 1 and resumed[0]["from_stage"] == "rl"
     assert any(r["stage"] == "rl" and r["step"] == max(done_steps) + 1 for r in records)
+
+
+def _slurm_port():
+    """A free port in the range jax derives from SLURM_JOB_ID (61440 + job id % 4096), and that id."""
+    import random
+    import socket
+
+    for _ in range(100):
+        job_id = random.randrange(4096)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job_id))
+            except OSError:
+                continue
+        return job_id
+    raise AssertionError("no free port in jax's SLURM range")
+
+
+@pytest.mark.slow  # two training processes on 2 cores (~1 min); CI's slow pass runs it
+def test_distributed_reads_slurm_variables_as_on_a_cluster(tmp_path):
+    """README's SLURM command: `srun ... python launch/tpu_run.py --distributed`, every process
+    finding the coordinator, the job size and its place in SLURM's variables. Here two local
+    processes get the variables srun would set."""
+    job_id = _slurm_port()
+    workdir = tmp_path / "run"
+    processes = []
+    for rank in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                   SLURM_JOB_ID=str(job_id), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                   SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_STEP_NUM_NODES="1")
+        processes.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "launch" / "tpu_run.py"), "--distributed", "--config",
+             str(ROOT / "configs" / "calculator_tiny.py"), f"--config.workdir={workdir}", "--config.rl.iterations=1",
+             *TINY], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [p.communicate(timeout=900) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for p, (out, err) in zip(processes, outputs):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    start = next(r for r in records if r["stage"] == "start")
+    assert start["processes"] == 2 and start["devices"] == 4
+    assert [r["rollouts"] for r in records if r["stage"] == "rl"] == [4]  # both processes' episodes

@@ -153,15 +153,27 @@ def test_resume_continues_the_same_schedule(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_with_two_jetstream_sampler_server_processes(tmp_path):
+def test_rl_with_two_jetstream_sampler_server_processes(tmp_path, monkeypatch):
     """The loop with `sampler.num_servers=2`: episodes sampled by two JetStream server processes,
     weights pushed over gRPC after every update, log-probs matching the learner's."""
     config = tiny_config(tmp_path)
     config.sampler.num_servers = 2
+    config.sampler.server_devices = "0;1"  # each server pinned to its own (here: harmless) GPU index
     config.sft.steps = 2
     config.eval.pass_k = 0
     config.metrics.tensorboard = False
+    pinned = []
+    original_spawn = build.SamplerServers._spawn
+
+    def spawn(self, port, index):
+        process = original_spawn(self, port, index)
+        environ = dict(kv.split("=", 1) for kv in open(f"/proc/{process.pid}/environ").read().split("\0") if "=" in kv)
+        pinned.append(environ.get("CUDA_VISIBLE_DEVICES"))
+        return process
+
+    monkeypatch.setattr(build.SamplerServers, "_spawn", spawn)
     path = trainer.train_and_evaluate(config, quiet=True)
+    assert pinned == ["0", "1"]
     records = [json.loads(line) for line in open(path)]
     rl = [r for r in records if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
@@ -358,6 +370,22 @@ def test_a_server_pipeline_depth_below_one_is_rejected(tmp_path):
     config = tiny_config(tmp_path)
     config.sampler.pipeline_depth = 0
     with pytest.raises(ValueError, match="sampler.pipeline_depth=0: expected >= 1"):
+        build.validate_config(config)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"sampler.num_servers": 2, "sampler.server_devices": "0,1"}, "expected 2 groups of device indices"),
+    ({"sampler.num_servers": 1, "sampler.server_devices": "a"}, "server_devices='a'"),
+    ({"sampler.num_servers": 1, "sampler.addresses": "127.0.0.1:9000"}, "expected one of them"),
+    ({"sampler.addresses": "localhost"}, "'localhost' is not 'host:port'"),
+    ({"sampler.tls_ca_file": "/nonexistent.pem"}, "is for sampler.addresses"),
+])
+def test_bad_sampler_fleet_settings_are_rejected(tmp_path, overrides, message):
+    config = tiny_config(tmp_path)
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
         build.validate_config(config)
 
 

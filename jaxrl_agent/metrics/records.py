@@ -107,8 +107,8 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
 SUMMED = {"groups", "rollouts", "trained_trajectories", "generated_tokens", "trained_tokens", "trained_tokens_total",
           "groups_pending", "suspended_episodes", "effective_samples_per_second", "trained_tokens_per_second",
           "sampler_prefill_tokens", "sampler_reused_tokens", "sampler_generate_calls", "stale_dropped",
-          "invariants/signal/effective_samples_per_second", "sampler_server_restarts"}
-SUMMED_PREFIXES = ("rollouts/", "env_service/")
+          "invariants/signal/effective_samples_per_second", "sampler_server_restarts", "sampler_rejoined"}
+SUMMED_PREFIXES = ("rollouts/", "env_service/", "replay/")  # each process has its own buffer
 
 
 def combine_process_records(records: Sequence[Mapping[str, Any]], *, keep: Sequence[str] = ()) -> dict[str, Any]:
