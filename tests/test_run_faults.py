@@ -169,7 +169,7 @@ def test_a_sampler_server_that_dies_while_starting_is_started_again(tmp_path, mo
     commands = iter([[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", listening]])
     spawned = []
 
-    def spawn(self, port):
+    def spawn(self, port, index):
         spawned.append(subprocess.Popen(next(commands), stdout=subprocess.PIPE, text=True))
         return spawned[-1]
 
