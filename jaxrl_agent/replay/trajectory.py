@@ -64,20 +64,31 @@ class Trajectory:
         return int(self.loss_mask.sum())
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for key in ("tokens", "loss_mask", "sampler_logprobs", "policy_version"):
-            d[key] = np.asarray(getattr(self, key)).tolist()
-        return d
+        return _token_arrays_as_lists(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Trajectory":
-        d = dict(d)
-        d["tokens"] = np.asarray(d["tokens"], np.int32)
-        d["loss_mask"] = np.asarray(d["loss_mask"], np.int32)
-        d["sampler_logprobs"] = np.asarray(d["sampler_logprobs"], np.float32)
-        d["policy_version"] = np.asarray(d["policy_version"], np.int32)
-        d["segment_starts"] = tuple(int(x) for x in d.get("segment_starts", ()))
-        return cls(**d)
+        return cls(**_token_arrays_from_lists(d))
+
+
+TOKEN_ARRAYS = {"tokens": np.int32, "loss_mask": np.int32, "sampler_logprobs": np.float32, "policy_version": np.int32}
+
+
+def _token_arrays_as_lists(record) -> dict:
+    """A record's fields as JSON-able data: its [T] token arrays as lists."""
+    d = dataclasses.asdict(record)
+    for key in TOKEN_ARRAYS:
+        d[key] = np.asarray(getattr(record, key)).tolist()
+    return d
+
+
+def _token_arrays_from_lists(d: Mapping[str, Any]) -> dict:
+    """The inverse: the token arrays back with their dtypes, `segment_starts` as a tuple."""
+    d = dict(d)
+    for key, dtype in TOKEN_ARRAYS.items():
+        d[key] = np.asarray(d[key], dtype)
+    d["segment_starts"] = tuple(int(x) for x in d.get("segment_starts", ()))
+    return d
 
 
 def validate(t: Trajectory, *, vocab_size: int, max_length: int, current_version: int | None = None) -> str | None:
@@ -152,21 +163,14 @@ class PartialRollout:
         return int(self.tokens.shape[0])
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for key in ("tokens", "loss_mask", "sampler_logprobs", "policy_version"):
-            d[key] = np.asarray(getattr(self, key)).tolist()
+        d = _token_arrays_as_lists(self)
         for key in ("segment_starts", "turns", "actions", "observation_digests", "messages"):
             d[key] = list(d[key])
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PartialRollout":
-        d = dict(d)
-        d["tokens"] = np.asarray(d["tokens"], np.int32)
-        d["loss_mask"] = np.asarray(d["loss_mask"], np.int32)
-        d["sampler_logprobs"] = np.asarray(d["sampler_logprobs"], np.float32)
-        d["policy_version"] = np.asarray(d["policy_version"], np.int32)
-        d["segment_starts"] = tuple(int(x) for x in d.get("segment_starts", ()))
+        d = _token_arrays_from_lists(d)
         for key in ("turns", "actions", "observation_digests", "messages"):
             d[key] = tuple(d.get(key, ()))
         partial = cls(**d)
