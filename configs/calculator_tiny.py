@@ -157,6 +157,13 @@ def get_config() -> ml_collections.ConfigDict:
     # of the conversation so far, as deployment shows it (a new learner sequence where the template
     # rewrites earlier turns, e.g. Qwen3's dropped empty think blocks); 'append' = append-only.
     config.rollout.history = "template"
+    # Context management (rollout.context): when the next context would pass context_trigger x
+    # max_context, 'keep_recent' keeps the task and the last context_keep_turns turns, 'discard_all'
+    # only the task (each with a note); the episode goes on as a new learner sequence. 'none' = the
+    # episode ends at max_context. Training, evaluation and deployment edit alike.
+    config.rollout.context = "none"
+    config.rollout.context_keep_turns = 2  # Turns keep_recent keeps (each a reply and its tool result).
+    config.rollout.context_trigger = 0.75  # Share of max_context the next context may reach before an edit.
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"

@@ -51,7 +51,9 @@ def episode_settings(config, temperature: float):
         sampling=SamplingParams(temperature=temperature, max_tokens=c.max_tokens_per_turn, top_k=c.top_k,
                                 top_p=c.top_p),
         max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns,
-        tool_format=config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens, history=c.history)
+        tool_format=config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens, history=c.history,
+        context=rollout.ContextSettings(strategy=c.context, keep_turns=c.context_keep_turns,
+                                        trigger=c.context_trigger))
 
 
 def template_history(config, template) -> tuple[dict, str | None]:
@@ -584,6 +586,11 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     from jaxrl_agent.rollout import episode as episode_lib
 
     one_of("rollout.history", config.rollout.history, episode_lib.HISTORY_MODES)
+    try:
+        episode_lib.context_lib.ContextSettings(strategy=config.rollout.context, keep_turns=config.rollout.context_keep_turns,
+                                                trigger=config.rollout.context_trigger)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     need(config.rollout.max_think_tokens >= 0,
          f"rollout.max_think_tokens={config.rollout.max_think_tokens}: expected >= 0 (0 = no budget)")
     need(tk.template == "model" or tk.kind == "char",

@@ -28,6 +28,7 @@ import numpy as np
 from jaxrl_agent import tool_formats
 from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.replay.trajectory import PartialRollout, Trajectory
+from jaxrl_agent.rollout import context as context_lib
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
 from jaxrl_agent.tokenizer import Tokenizer, TurnTemplate
 
@@ -137,6 +138,8 @@ class EpisodeSettings:
     # 'template': each turn's context is the chat template's rendering of the conversation so far (a
     # new learner sequence where it rewrites earlier turns); 'append': one append-only sequence.
     history: str = "template"
+    # How the conversation is edited when it outgrows the context (`rollout.context`).
+    context: context_lib.ContextSettings = context_lib.ContextSettings()
 
     def __post_init__(self):
         if self.history not in HISTORY_MODES:
@@ -376,13 +379,20 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         st.actions.append(action)
         st.digests.append(observation_digest(step.observation.text))
         result = fmt.result(step.observation.text)
-        if rerender:
-            st.messages = [*st.messages, {"role": "assistant", "token_ids": ids},
-                           {"role": step.observation.role, "content": result}]
+        st.messages = [*st.messages, {"role": "assistant", "token_ids": ids},
+                       {"role": step.observation.role, "content": result}]
         continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
                                              role=step.observation.role, content=result,
                                              close_assistant=not ended, rerender=rerender)
-        if (0 if restart else len(st.tokens) - st.segment) + len(continuation) >= settings.max_context:
+        next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+        if context_lib.should_edit(settings.context, next_tokens, settings.max_context):
+            messages = context_lib.edited(settings.context, st.messages)
+            if messages != st.messages:  # the conversation the episode continues from, a new sequence
+                st.messages = messages
+                continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
+                restart, next_tokens = True, len(continuation)
+                st.turns[-1]["context_edit"] = settings.context.strategy
+        if next_tokens >= settings.max_context:
             finish_reason = "context_limit"
             break
         if restart:

@@ -1,0 +1,108 @@
+"""Context management: the strategies' edits, and episodes that go on past an edit as new learner
+sequences whose prefixes are exactly what the sampler conditioned on."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jaxrl_agent import envs, rollout
+from jaxrl_agent import tokenizer as tok
+from jaxrl_agent.rollout import context
+from jaxrl_agent.sampling import Completion, SamplingParams
+from tests.rollout.test_rollout import END, TOKENIZER
+
+HEAD = [{"role": "system", "content": "tools"}, {"role": "user", "content": "Q: 1+1=?"}]
+TURNS = [m for k in range(3) for m in ({"role": "assistant", "token_ids": [k, k]},
+                                       {"role": "tool", "content": f"result {k}"})]
+
+
+def test_each_strategy_edits_the_conversation_as_it_says():
+    messages = HEAD + TURNS
+    keep = context.edited(context.ContextSettings("keep_recent", keep_turns=1), messages)
+    assert keep == [*HEAD, {"role": "user", "content": context.DEFAULT_NOTE}, *TURNS[-2:]]
+    assert context.edited(context.ContextSettings("keep_recent", keep_turns=3), messages) == messages  # nothing to drop
+    assert context.edited(context.ContextSettings("keep_recent", keep_turns=0), messages) == \
+        [*HEAD, {"role": "user", "content": context.DEFAULT_NOTE}]
+    assert context.edited(context.ContextSettings("discard_all", note="gone"), messages) == \
+        [*HEAD, {"role": "user", "content": "gone"}]
+    assert messages == HEAD + TURNS  # not changed in place
+    assert not context.should_edit(context.ContextSettings("none"), 10_000, 100)
+    assert context.should_edit(context.ContextSettings("keep_recent", trigger=0.5), 51, 100)
+    assert not context.should_edit(context.ContextSettings("keep_recent", trigger=0.5), 50, 100)
+    with pytest.raises(ValueError, match="rollout.context='fold'"):
+        context.ContextSettings("fold")
+    with pytest.raises(ValueError, match="context_trigger=0"):
+        context.ContextSettings("keep_recent", trigger=0)
+
+
+class ToolLoopSampler:
+    """Calls the calculator on the task's expression at every turn (never answers), recording every
+    prompt it is given."""
+
+    def __init__(self):
+        self.prompts = []
+
+    async def generate(self, prompt_ids, sampling):
+        self.prompts.append(list(prompt_ids))
+        expr = TOKENIZER.decode(prompt_ids).split("Q: ")[1].split("=?")[0]
+        ids = TOKENIZER.encode(envs.format_tool_call(envs.ToolCall("calc", {"expr": expr}))) + [END]
+        ids = ids[: sampling.max_tokens]
+        return Completion(tuple(ids), tuple(-0.5 for _ in ids), tuple(7 for _ in ids), "stop")
+
+
+NOTE = "(cut)"
+
+
+def _episode(strategy, max_context=90, max_turns=8):
+    """The calculator allows 4 tool turns; each adds 32 tokens to a 21-token task: 149 in all."""
+    env = envs.make("calculator")
+    task = env.sample_task(3, 1)
+    settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=100),
+                                       max_context=max_context, max_turns=max_turns,
+                                       context=context.ContextSettings(strategy, keep_turns=1, trigger=0.8,
+                                                                       note=NOTE))
+    sampler = ToolLoopSampler()
+    t = asyncio.run(rollout.run_episode(sampler, rollout.InProcessEnv(env), task, TOKENIZER, tok.CHATML, settings))
+    return t, sampler.prompts
+
+
+@pytest.mark.parametrize("strategy", ["keep_recent", "discard_all"])
+def test_an_edited_episode_trains_each_sequence_on_exactly_what_the_sampler_saw(strategy):
+    t, prompts = _episode(strategy)
+    assert t.finish_reason == "max_turns" and len(t.turns) == 4  # it outlived its context
+    assert len(t.segment_starts) >= 1 and sum("context_edit" in turn for turn in t.turns) == len(t.segment_starts)
+    assert t.longest_segment <= 90
+    calls = iter(prompts)
+    for a, b in t.segments:
+        sequence = t.tokens[a:b].tolist()
+        # Each sampler call in this sequence saw exactly the sequence up to its reply.
+        for start in np.flatnonzero(np.diff(np.r_[0, t.loss_mask[a:b]]) == 1):
+            assert next(calls) == sequence[:start]
+        # Every sequence starts with the task; after an edit, the note stands for what was removed.
+        text = TOKENIZER.decode(sequence)
+        assert "Q: " in text
+        if a > 0:
+            assert NOTE in text and t.loss_mask[a] == 0
+    assert next(calls, None) is None  # and no call is unaccounted for
+    # After an edit a sequence starts with the kept turns' results: one for keep_recent, none for discard_all.
+    for a, _ in t.segments[1:]:
+        context_part = t.tokens[a:a + int(np.argmax(t.loss_mask[a:] == 1))].tolist()
+        assert TOKENIZER.decode(context_part).count("<tool_result>") == (1 if strategy == "keep_recent" else 0)
+
+
+def test_without_a_strategy_the_same_episode_ends_at_the_context_limit():
+    t, _ = _episode("none")
+    assert t.finish_reason == "context_limit" and t.segment_starts == () and len(t.turns) < 4
+
+
+def test_the_config_reaches_the_episodes_and_a_bad_strategy_is_refused(tmp_path):
+    from jaxrl_agent import build
+    from tests.test_trainer import tiny_config
+
+    config = tiny_config(tmp_path)
+    config.rollout.context, config.rollout.context_keep_turns = "keep_recent", 3
+    assert build.episode_settings(config, 1.0).context == context.ContextSettings("keep_recent", keep_turns=3)
+    config.rollout.context = "fold"
+    with pytest.raises(build.ConfigError, match="rollout.context='fold': expected one of"):
+        build.validate_config(config)
