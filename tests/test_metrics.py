@@ -82,3 +82,23 @@ def test_per_process_records_combine_into_the_jobs():
                    "task_ids": ["a", "b", "c"], "loss": 0.7, "rollouts/calc": 6, "env_service/env_crash": 1,
                    "schedule": "sync"}
     assert combine_process_records([a]) == a
+
+
+def test_context_metrics_count_edits_sequences_and_success_by_edits():
+    from jaxrl_agent.metrics.records import context_metrics
+    from jaxrl_agent.replay import Trajectory
+
+    def episode(n, starts, edits, won):
+        zeros = np.zeros(n, np.int32)
+        return Trajectory(tokens=zeros, loss_mask=zeros, sampler_logprobs=np.zeros(n, np.float32),
+                          policy_version=zeros, reward=float(won), reward_components={"success": float(won)},
+                          segment_starts=starts, turns=[{"context_edit": "keep_recent"}] * edits + [{}])
+
+    episodes = [episode(100, (), 0, True), episode(300, (120, 200), 2, True), episode(250, (150,), 1, False),
+                episode(90, (), 0, False)]
+    m = context_metrics(episodes)
+    assert m["context/edits_per_episode"] == 0.75
+    assert m["context/longest_sequence_max"] == 150  # 250 - 150 = 100 < 150; 300: 120, 80, 100
+    assert m["context/longest_sequence_mean"] == (100 + 120 + 150 + 90) / 4
+    assert (m["context/success/edits_0"], m["context/success/edits_1"], m["context/success/edits_2"]) == (0.5, 0.0, 1.0)
+    assert "context/success/edits_0" not in context_metrics([episodes[0], episodes[3]])  # no edit, no split

@@ -95,10 +95,27 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
             record[f"reward/{env}"] = _mean(t.reward for t in env_episodes)
             record[f"signal_share/{env}"] = _mean(len({t.reward for t in g}) > 1 for g in env_groups)
             record[f"rollouts/{env}"] = len(env_episodes)
+    record.update(context_metrics(episodes))
     record.update(extra or {})
     record.update(invariants.iteration_invariants(groups, trained, record, group_size=group_size, success=success,
                                                   lags=lag))
     return record
+
+
+def context_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+    """Context management's numbers (`rollout.context`): edits per episode, the longest learner
+    sequence (the context an episode needed) as mean and max, and, once any episode was edited,
+    success split by its number of edits (`context/success/edits_<n>`)."""
+    if not episodes:
+        return {}
+    edits = [sum("context_edit" in turn for turn in t.turns) for t in episodes]
+    longest = [t.longest_segment for t in episodes]
+    out = {"context/edits_per_episode": _mean(edits), "context/longest_sequence_mean": _mean(longest),
+           "context/longest_sequence_max": max(longest)}
+    if any(edits):
+        for n in sorted(set(edits)):
+            out[f"context/success/edits_{n}"] = _mean(success(t) for t, e in zip(episodes, edits) if e == n)
+    return out
 
 
 # How an iteration's per-process numbers combine into the job's (several processes): counts and
