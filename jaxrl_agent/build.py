@@ -937,7 +937,9 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
     def demonstrate(n):
         return [rollout.expert_trajectory(environments.environments[t.env], t, envs.expert_policy(t.env), tok,
                                           template, include_system_prompt=config.rollout.include_system_prompt,
-                                          tool_format=config.tokenizer.tool_format, history=config.rollout.history)
+                                          tool_format=config.tokenizer.tool_format, history=config.rollout.history,
+                                          context=episode_settings(config, 1.0).context,
+                                          max_context=config.rollout.max_context)
                 for t in tasks.take(n)]
 
     return data.Demonstrations(demonstrate(config.sft.num_demonstrations), fresh=demonstrate)

@@ -410,10 +410,13 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
 
 def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,
                       template: TurnTemplate, *, include_system_prompt: bool = False, seed: int = 0,
-                      tool_format: str = "env", history: str = "template") -> Trajectory:
+                      tool_format: str = "env", history: str = "template",
+                      context: context_lib.ContextSettings = context_lib.ContextSettings(),
+                      max_context: int = 0) -> Trajectory:
     """A scripted-expert episode rendered exactly as a sampled one would be (SFT data): the
     expert's protocol actions are written in the policy's tool format, and its learner sequences are
-    split where the template rewrites history, as a sampled episode's are."""
+    split where the template rewrites history, and where the context strategy edits the
+    conversation (with `max_context` > 0), as a sampled episode's are."""
     fmt = tool_formats.get(tool_format)
     first = env.reset(task, seed)
     messages, template = first_messages(first, template, fmt, include_system_prompt=include_system_prompt)
@@ -433,12 +436,18 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
         if step.done:
             break
         result = fmt.result(step.observation.text)
-        if rerender:
-            messages = [*messages, {"role": "assistant", "token_ids": ids},
-                        {"role": step.observation.role, "content": result}]
+        messages = [*messages, {"role": "assistant", "token_ids": ids},
+                    {"role": step.observation.role, "content": result}]
         continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
                                              role=step.observation.role, content=result, close_assistant=False,
                                              rerender=rerender)
+        next_tokens = (0 if restart else len(tokens) - segment) + len(continuation)
+        if max_context > 0 and context_lib.should_edit(context, next_tokens, max_context):
+            edited = context_lib.edited(context, messages)
+            if edited != messages:  # as run_episode: the edited conversation, a new learner sequence
+                messages = edited
+                continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
+                restart = True
         if restart:
             segment = len(tokens)
             starts.append(segment)

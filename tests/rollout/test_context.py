@@ -6,9 +6,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from jaxrl_agent import envs, rollout
+from jaxrl_agent import envs, rollout, tool_formats
 from jaxrl_agent import tokenizer as tok
-from jaxrl_agent.rollout import context
+from jaxrl_agent.rollout import context, episode
 from jaxrl_agent.sampling import Completion, SamplingParams
 from tests.rollout.test_rollout import END, TOKENIZER
 
@@ -106,3 +106,26 @@ def test_the_config_reaches_the_episodes_and_a_bad_strategy_is_refused(tmp_path)
     config.rollout.context = "fold"
     with pytest.raises(build.ConfigError, match="rollout.context='fold': expected one of"):
         build.validate_config(config)
+
+
+def test_demonstrations_are_edited_as_sampled_episodes_are():
+    """SFT data under a context strategy: the expert's episode goes on after the edit as a new
+    sequence that starts with the edited conversation's rendering, as a sampled one does."""
+    env = envs.make("calculator")
+    task = env.sample_task(3, 1)
+    expert = envs.expert_policy("calculator")
+    plain = rollout.expert_trajectory(env, task, expert, TOKENIZER, tok.CHATML)
+    settings = context.ContextSettings("discard_all", trigger=0.8, note=NOTE)
+    edited = rollout.expert_trajectory(env, task, expert, TOKENIZER, tok.CHATML, context=settings, max_context=60)
+    assert plain.segment_starts == () and len(edited.segment_starts) == 1
+    (start,) = edited.segment_starts
+    first, _ = episode.first_messages(env.reset(task, 0), tok.CHATML, tool_formats.get("env"),
+                                      include_system_prompt=False)
+    head = tok.CHATML.render([*first, {"role": "user", "content": NOTE}], TOKENIZER, add_generation_prompt=True)
+    np.testing.assert_array_equal(edited.tokens[start:start + len(head.ids)], head.ids)
+    # The answer turn is the same demonstration in both: trained the same way after the edit.
+    np.testing.assert_array_equal(edited.tokens[edited.loss_mask == 1][-20:], plain.tokens[plain.loss_mask == 1][-20:])
+    assert edited.reward == plain.reward == 1.0
+    # Unedited with the defaults: the demonstrations of the default run are unchanged.
+    default = rollout.expert_trajectory(env, task, expert, TOKENIZER, tok.CHATML, max_context=60)
+    np.testing.assert_array_equal(default.tokens, plain.tokens)
