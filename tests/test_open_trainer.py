@@ -254,6 +254,7 @@ def test_the_default_config_on_remote_env_servers(tmp_path):
 
 
 # ------------------------------------------------------------------------------ a user project
+@pytest.mark.slow  # a launcher subprocess (~15 s warm, more on a cold cache); CI's slow pass runs it
 def test_a_user_project_trains_through_the_launcher(tmp_path):
     """tests/fixtures/user_project: its own environment, objective and reward, no edit to jaxrl_agent/."""
     overrides = {"workdir": str(tmp_path), "sft.steps": 20, "sft.batch_size": 8, "sft.log_every": 10,

@@ -29,9 +29,9 @@ ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLAT
 TESTED_BLOCKS = {
     "pip install -U pip . && jaxrl-agent train": "test_quick_start_installs_without_the_test_extra_and_trains (slow)",
     'pip install -U pip -e ".[test]" && python -m pytest': "test_ci_runs_the_quick_start_test_command",
-    "objective_from_loss(my_loss": "test_research_script_runs",
-    "--config.rl.objective=ppo": "test_objective_override_command_runs",
-    "jaxrl-agent train --mode smoke --config configs/hf_model.py": "test_real_model_commands_run",
+    "objective_from_loss(my_loss": "test_research_script_runs (slow)",
+    "--config.rl.objective=ppo": "test_objective_override_command_runs (slow)",
+    "jaxrl-agent train --mode smoke --config configs/hf_model.py": "test_real_model_commands_run (slow)",
     "huggingface-cli download Qwen/Qwen3-0.6B": "test_qwen3_section_commands_run (slow)",
     "launch/local_cluster.py -n 2": "test_local_cluster_command_runs (slow)",
     "jaxrl-agent env-server": "test_several_hosts_commands_run (slow)",
@@ -156,6 +156,7 @@ def test_research_script_runs(tmp_path, monkeypatch):
     assert next(r for r in records if r["stage"] == "start")["objective"] == "mine"
 
 
+@pytest.mark.slow  # a launcher subprocess (~15 s warm, more on a cold cache); CI's slow pass runs it
 def test_objective_override_command_runs(tmp_path):
     (command,) = _commands(_block("--config.rl.objective=ppo"))
     done = _run(command, cwd=ROOT, overrides={**QUICK, "workdir": tmp_path})
