@@ -53,6 +53,17 @@ def _records(workdir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
+def _kill_after_rl_step(run, workdir, step, timeout_s=600):
+    """SIGKILLs `run` once its metrics hold RL iteration `step` (failing if it exits or never gets there)."""
+    deadline = time.time() + timeout_s
+    while not any(r["stage"] == "rl" and r["step"] >= step for r in _records(workdir)):
+        assert run.poll() is None, run.stderr.read()[-3000:]
+        assert time.time() < deadline, f"the run never reached RL iteration {step}"
+        time.sleep(0.2)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+
+
 def _task_records(path):
     """A JSONL of calculator task records (Task.to_dict form), plus two malformed lines."""
     from jaxrl_agent import data, envs
@@ -74,13 +85,7 @@ def test_sigkill_then_resume_continues_the_same_schedule(tmp_path, tasks):
     victim = _launch(_flags(killed_dir) + extra)
     # Kill the second run hard once it has logged its second RL iteration (its checkpoint may be
     # complete, in flight or not started: resume must cope with each).
-    deadline = time.time() + 600
-    while not any(r["stage"] == "rl" and r["step"] >= 2 for r in _records(killed_dir)):
-        assert victim.poll() is None, victim.stderr.read()[-3000:]
-        assert time.time() < deadline, "the run never reached RL iteration 2"
-        time.sleep(0.2)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    _kill_after_rl_step(victim, killed_dir, 2)
     assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
 
     resumed = _launch(_flags(killed_dir) + extra + ["--config.resume=True"])
@@ -127,13 +132,7 @@ def test_sigkill_during_an_async_run_continues_its_partial_rollouts_from_their_s
         "--config.rollout.max_turns=3", "--config.rollout.max_staleness=100", "--config.checkpoint.keep=100",
         "--config.metrics.episodes_log=True", "--config.sft.steps=2"]
     victim = _launch(flags)
-    deadline = time.time() + 600
-    while not any(r["stage"] == "rl" and r["step"] >= 3 for r in _records(workdir)):
-        assert victim.poll() is None, victim.stderr.read()[-3000:]
-        assert time.time() < deadline, "the run never reached RL iteration 3"
-        time.sleep(0.2)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    _kill_after_rl_step(victim, workdir, 3)
     before = _episodes(workdir)
 
     resumed = _launch(flags + ["--config.resume=True", "--config.rl.iterations=9"])
