@@ -102,9 +102,10 @@ class Soak:
     def start_trainer(self, resume: bool):
         flags = {"workdir": self.workdir, "env.imports": "soak_envs", "env.name": "calc_soak",
                  "env.service": f"127.0.0.1:{self.env_port}", "sampler.num_servers": 2,
-                 # The run ends by itself after the chaos: its budget counts SFT (and the time of
-                 # killed segments since their last checkpoint is not counted).
-                 "rl.time_budget_minutes": self.args.minutes + self.args.sft_minutes,
+                 # The run ends by itself after the chaos: its budget counts SFT, the chaos and a tail
+                 # of fault-free iterations (and the time of killed segments since their last
+                 # checkpoint is not counted).
+                 "rl.time_budget_minutes": self.args.minutes + self.args.sft_minutes + self.args.tail_minutes,
                  "rl.iterations": self.args.iterations, "checkpoint.every": 5,
                  "eval.every": 0, "metrics.progress": "off", "resume": resume}
         flags.update(dict(kv.split("=", 1) for kv in self.args.override))
@@ -330,6 +331,9 @@ class Soak:
         print("\n| check | holds |\n|---|---|")
         for name, ok in checks.items():
             print(f"| {name} | {'yes' if ok else 'NO'} |")
+        if len(steps) < 2:
+            print(f"FAILED: {len(steps)} RL iteration(s): too few to check the task stream (raise --tail_minutes "
+                  f"on a slow host)")
         for failure in self.failures:
             print(f"FAILED: {failure}")
         return 0 if all(checks.values()) and not self.failures else 1
@@ -341,6 +345,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft_minutes", type=float, default=4.0,
                         help="Added to --minutes for rl.time_budget_minutes (which counts SFT and evaluations).")
+    parser.add_argument("--tail_minutes", type=float, default=1.0,
+                        help="Also added to rl.time_budget_minutes: the run goes on this long after the chaos, so "
+                             "that on a slow host (the first iteration after each resume compiles) it still has "
+                             "several RL iterations whose task stream can be checked.")
     parser.add_argument("--iterations", type=int, default=100000, help="rl.iterations (the run ends after the chaos).")
     parser.add_argument("--interval", type=float, nargs=2, default=(10.0, 30.0), help="Seconds between faults.")
     parser.add_argument("--hang_every", type=int, default=400, help="One RL task in this many hangs (soak_envs).")

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_short_soak_survives_every_fault(tmp_path):
-    command = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2.5", "--sft_minutes", "1",
+    command = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2.5", "--sft_minutes", "1", "--tail_minutes", "1.5",
                "--interval", "3", "6", "--max_trainer_kills", "1", "--hang_every", "10", "--seed", "1",
                "--workdir", str(tmp_path / "run"), "--logdir", str(tmp_path / "logs"),
                "--override", "sft.steps=20", "--override", "sft.warmup_steps=5",
