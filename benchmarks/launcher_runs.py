@@ -11,11 +11,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch(workdir: str, flags: list[str]) -> float:
-    """Runs `launch/tpu_run.py` on configs/calculator_tiny.py in `workdir` with `flags`; wall seconds."""
+def launch(workdir: str, flags: list[str], config: str = "calculator_tiny") -> float:
+    """Runs `launch/tpu_run.py` on configs/<config>.py in `workdir` with `flags`; wall seconds."""
     started = time.perf_counter()
     subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), "--config",
-                    os.path.join(ROOT, "configs", "calculator_tiny.py"), f"--config.workdir={workdir}", *flags],
+                    os.path.join(ROOT, "configs", f"{config}.py"), f"--config.workdir={workdir}", *flags],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return time.perf_counter() - started
 

@@ -159,11 +159,16 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.history = "template"
     # Context management (rollout.context): when the next context would pass context_trigger x
     # max_context, 'keep_recent' keeps the task and the last context_keep_turns turns, 'discard_all'
-    # only the task (each with a note); the episode goes on as a new learner sequence. 'none' = the
-    # episode ends at max_context. Training, evaluation and deployment edit alike.
+    # only the task (each with a note), 'summarize' asks the policy for a summary (a trained turn)
+    # and keeps the task and that summary; the episode goes on as a new learner sequence. 'none' =
+    # the episode ends at max_context. Training, evaluation and deployment edit alike.
     config.rollout.context = "none"
     config.rollout.context_keep_turns = 2  # Turns keep_recent keeps (each a reply and its tool result).
     config.rollout.context_trigger = 0.75  # Share of max_context the next context may reach before an edit.
+    config.rollout.context_max_edits = 0  # Edits per episode at most (0 = no limit); then it ends at max_context.
+    config.rollout.context_note = "(Earlier turns removed.)"  # The message that stands for removed turns.
+    config.rollout.context_summary_request = "Summarize the context."  # summarize: asked after the result.
+    config.rollout.context_summary_prefix = "Summary: "  # summarize: before the summary in the next context.
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"
@@ -321,6 +326,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.learner.master_dtype = ""
     # Stop the run after this many learner updates in a row were skipped as non-finite (0 = never).
     config.learner.max_consecutive_skips = 5
+    # Weight of the policy's summary tokens (rollout.context='summarize') against its action tokens in
+    # the policy-gradient loss (FoldAct's separate summary loss, as a per-token advantage weight).
+    config.learner.summary_weight = 1.0
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 20  # Evaluate every N RL iterations (and after SFT, and at the end; 0 = only those).

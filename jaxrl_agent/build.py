@@ -52,8 +52,18 @@ def episode_settings(config, temperature: float):
                                 top_p=c.top_p),
         max_context=c.max_context, include_system_prompt=c.include_system_prompt, max_turns=c.max_turns,
         tool_format=config.tokenizer.tool_format, max_think_tokens=c.max_think_tokens, history=c.history,
-        context=rollout.ContextSettings(strategy=c.context, keep_turns=c.context_keep_turns,
-                                        trigger=c.context_trigger))
+        context=context_settings(config))
+
+
+def context_settings(config):
+    """`rollout.ContextSettings` from `rollout.context*` (raises ValueError on a bad value)."""
+    from jaxrl_agent.rollout import context as context_lib
+
+    c = config.rollout
+    return context_lib.ContextSettings(strategy=c.context, keep_turns=c.context_keep_turns, trigger=c.context_trigger,
+                                       max_edits=c.context_max_edits, note=c.context_note,
+                                       summary_request=c.context_summary_request,
+                                       summary_prefix=c.context_summary_prefix)
 
 
 def template_history(config, template) -> tuple[dict, str | None]:
@@ -532,6 +542,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(r.max_context <= learner_c.row_length,
          f"rollout.max_context={r.max_context} exceeds learner.row_length={learner_c.row_length}: "
          "episodes that long could never be trained on")
+    need(learner_c.summary_weight >= 0, f"learner.summary_weight={learner_c.summary_weight}: expected >= 0 "
+                                         "(the summary tokens' weight against action tokens; 1 = the same)")
     need(learner_c.logits_chunk >= 0, f"learner.logits_chunk={learner_c.logits_chunk}: expected >= 0 (0 = whole rows)")
     need(learner_c.target_multiple >= 0, f"learner.target_multiple={learner_c.target_multiple}: expected >= 0 "
          "(0 = logits at every position)")
@@ -587,8 +599,7 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
 
     one_of("rollout.history", config.rollout.history, episode_lib.HISTORY_MODES)
     try:
-        episode_lib.context_lib.ContextSettings(strategy=config.rollout.context, keep_turns=config.rollout.context_keep_turns,
-                                                trigger=config.rollout.context_trigger)
+        context_settings(config)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     need(config.rollout.max_think_tokens >= 0,
@@ -938,7 +949,7 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
         return [rollout.expert_trajectory(environments.environments[t.env], t, envs.expert_policy(t.env), tok,
                                           template, include_system_prompt=config.rollout.include_system_prompt,
                                           tool_format=config.tokenizer.tool_format, history=config.rollout.history,
-                                          context=episode_settings(config, 1.0).context,
+                                          context=context_settings(config),
                                           max_context=config.rollout.max_context)
                 for t in tasks.take(n)]
 

@@ -55,6 +55,17 @@ def override_keys(argv: Sequence[str], flag: str = "config") -> tuple[str | None
     return path, keys
 
 
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config a run wrote to `<workdir>/config.json`."""
+    import json
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"workdir={workdir!r} has no config.json: pass the run's --config")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
 def check_overrides(argv: Sequence[str], flag: str = "config") -> None:
     """Raises ConfigOverrideError naming every override key the config file does not define."""
     path, keys = override_keys(argv, flag)

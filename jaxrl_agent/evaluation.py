@@ -37,14 +37,18 @@ class EvalSpec:
 def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Environment], tokenizer, template,
              spec: EvalSpec, *, greedy: rollout.EpisodeSettings, sampled: rollout.EpisodeSettings,
              progress: Callable[[int], None] | None = None, shard: tuple[int, int] = (0, 1),
-             gather: Callable[[dict], list[dict]] | None = None) -> dict[str, float]:
+             gather: Callable[[dict], list[dict]] | None = None,
+             on_episodes: Callable[[str, int, list], None] | None = None) -> dict[str, float]:
     """Runs the held-out episodes; returns the `eval/*` metrics (and `eval/seconds`).
     `progress(levels_done)` is called after each (environment, level).
 
     With several processes, `shard=(index, count)` runs this process's share of every level's tasks
     (task i where i % count == index, with task i's own seeds) and `gather(outcomes)` — every
     process's outcomes, in process order (`sharding.gather_objects`) — pools them, so every process
-    returns the job's metrics over all the tasks."""
+    returns the job's metrics over all the tasks.
+
+    `on_episodes(env name, level, results)` receives each level's greedy episodes as
+    `agent.AgentResult`s (trajectory and transcript), e.g. to print or keep them."""
     started = time.monotonic()
     index, count = shard
     outcomes: dict[str, dict] = {}  # "name/level" -> this process's per-task successes
@@ -57,6 +61,10 @@ def evaluate(sampler, make_env: Callable, environments: Mapping[str, envs.Enviro
             groups = run_coroutine(rollout.collect_groups(sampler, make_env, tasks, 1, tokenizer, template, greedy,
                                                         seed=EVAL_GREEDY_SEED, group_indices=ids))
             outcome = {"greedy": [success(g[0]) for g in groups]}
+            if on_episodes is not None:
+                from jaxrl_agent import agent
+
+                on_episodes(name, d, [agent.AgentResult(g[0], agent.transcript(g[0], tokenizer)) for g in groups])
             if spec.pass_k > 1:
                 groups = run_coroutine(rollout.collect_groups(sampler, make_env, tasks, spec.pass_k, tokenizer,
                                                             template, sampled, seed=EVAL_SAMPLED_SEED,

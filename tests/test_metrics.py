@@ -102,3 +102,10 @@ def test_context_metrics_count_edits_sequences_and_success_by_edits():
     assert m["context/longest_sequence_mean"] == (100 + 120 + 150 + 90) / 4
     assert (m["context/success/edits_0"], m["context/success/edits_1"], m["context/success/edits_2"]) == (0.5, 0.0, 1.0)
     assert "context/success/edits_0" not in context_metrics([episodes[0], episodes[3]])  # no edit, no split
+    assert "context/summary_token_share" not in m
+    mask = np.zeros(100, np.int32)
+    mask[[10, 11, 12, 13, 40, 41, 42, 43, 44, 45]] = 1
+    summarized = Trajectory(tokens=np.zeros(100, np.int32), loss_mask=mask, sampler_logprobs=np.zeros(100, np.float32),
+                            policy_version=np.zeros(100, np.int32), reward=1.0, segment_starts=(46,),
+                            turns=[{}, {"summary": True, "token_span": [40, 46], "context_edit": "summarize"}, {}])
+    assert context_metrics([summarized])["context/summary_token_share"] == 0.6  # 6 of 10 generated tokens

@@ -4,6 +4,7 @@
   jaxrl-agent sampler-server --config <config> --port 9000
   jaxrl-agent env-server --port 7100 --workers 8
   jaxrl-agent export-hf --config <config> [--workdir W] --out <folder>
+  jaxrl-agent agent --checkpoint <workdir> [--env E] [--context summarize]
   jaxrl-agent plot <workdir>
 
 `launch/tpu_run.py`, `launch/sampler_server.py` and `launch/env_server.py` are the same commands
@@ -23,6 +24,7 @@ COMMANDS = {
     "sampler-server": ("jaxrl_agent.cli.sampler_server", "a JetStream sampling server for a config"),
     "env-server": ("jaxrl_agent.cli.env_server", "environments served to trainers on other hosts"),
     "export-hf": ("jaxrl_agent.cli.export_hf", "a run's latest policy as a Hugging Face folder"),
+    "agent": ("jaxrl_agent.cli.agent", "a run's policy acting on held-out tasks, with transcripts"),
     "plot": ("jaxrl_agent.plot", "a run's curves on one page (PNG)"),
 }
 

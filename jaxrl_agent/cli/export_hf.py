@@ -22,7 +22,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxrl_agent import quiet
+from jaxrl_agent import config_lib, quiet
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file (with its overrides); default: "
                                           "<workdir>/config.json.", lock_config=True)
@@ -34,19 +34,6 @@ flags.mark_flags_as_required(["out"])
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
-
-
-def run_config(workdir: str):
-    """The resolved config a run wrote to `<workdir>/config.json`, as a ConfigDict."""
-    import json
-
-    import ml_collections
-
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"workdir={workdir!r} has no config.json: pass the run's --config")
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
 
 
 def tokenizer_folder(config) -> str:
@@ -117,7 +104,7 @@ def main(argv):
         if config is None:
             if not _WORKDIR.value:
                 raise FileNotFoundError("pass --workdir (its config.json is the run's config) or --config")
-            config = run_config(_WORKDIR.value)
+            config = config_lib.run_config(_WORKDIR.value)
         written = export(config, _WORKDIR.value or config.workdir, _OUT.value, step=_STEP.value,
                          max_shard_bytes=_MAX_SHARD_MB.value * 2**20 or None)
     except (FileNotFoundError, ValueError) as err:  # no checkpoint; shapes that are not the config's model

@@ -40,8 +40,8 @@ def make_proximal_logprobs(config: models.ModelConfig, mesh: jax.sharding.Mesh, 
 def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.random.RandomState, minibatches: int,
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
               proximal_logprobs: Callable | None = None, logprobs_fn: Callable | None = None,
-              current_version: int | None = None, loss_controls: Sequence[float] | None = None
-              ) -> tuple[TrainState, dict[str, float]]:
+              current_version: int | None = None, loss_controls: Sequence[float] | None = None,
+              summary_weight: float = 1.0) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
     new state and the last step's metrics as floats ({} when there is nothing to train on), with
     `update_skipped` the number of this call's steps that were skipped as non-finite,
@@ -52,7 +52,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     'invariants/drift/serve_gap_mean|p99|max' over the first minibatch's tokens sampled at
     `current_version` ('serve_gap_tokens' of them; absent when there are none) and
     'invariants/drift/policy_kl' over all its sampled tokens. `loss_controls`: the step's
-    `PackedBatch.loss_controls` row (entropy bonus, IcePop on, 0), put on every row."""
+    `PackedBatch.loss_controls` row (entropy bonus, IcePop on, 0), put on every row.
+    `summary_weight`: the weight of summary tokens' advantages (`replay.pack`)."""
     from jaxrl_agent import replay
 
     # With several processes (jax.distributed) each holds its own trajectories, and the global batch
@@ -70,7 +71,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
         if not size:
             continue
         batch = replay.pack([trajectories[i] for i in part], row_length,
-                            row_multiple=local_row_multiple(row_multiple), target_multiple=target_multiple)[0]
+                            row_multiple=local_row_multiple(row_multiple), target_multiple=target_multiple,
+                            summary_weight=summary_weight)[0]
         batches.append(global_batch(batch, mesh, loss_controls))
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]

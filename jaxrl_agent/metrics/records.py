@@ -105,13 +105,17 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
 def context_metrics(episodes: Sequence[Any]) -> dict[str, float]:
     """Context management's numbers (`rollout.context`): edits per episode, the longest learner
     sequence (the context an episode needed) as mean and max, and, once any episode was edited,
-    success split by its number of edits (`context/success/edits_<n>`)."""
+    success split by its number of edits (`context/success/edits_<n>`); with summaries
+    ('summarize'), the share of generated tokens that are summary tokens."""
     if not episodes:
         return {}
     edits = [sum("context_edit" in turn for turn in t.turns) for t in episodes]
     longest = [t.longest_segment for t in episodes]
     out = {"context/edits_per_episode": _mean(edits), "context/longest_sequence_mean": _mean(longest),
            "context/longest_sequence_max": max(longest)}
+    summary = sum(b - a for t in episodes for a, b in t.summary_spans)
+    if summary:
+        out["context/summary_token_share"] = summary / max(sum(t.generated_tokens for t in episodes), 1)
     if any(edits):
         for n in sorted(set(edits)):
             out[f"context/success/edits_{n}"] = _mean(success(t) for t, e in zip(episodes, edits) if e == n)

@@ -17,13 +17,21 @@ from jaxrl_agent.replay.trajectory import Trajectory
 
 
 def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: int = 1,
-         min_rows: int = 1, target_multiple: int = 0) -> tuple[PackedBatch, list[list[int]]]:
+         min_rows: int = 1, target_multiple: int = 0, summary_weight: float = 1.0
+         ) -> tuple[PackedBatch, list[list[int]]]:
     """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories, one
     entry per packed sequence).
 
     target_multiple > 0 also fills `target_index` ([B, K]: each row's trained positions, padded
     with 0), K being the most trained tokens in a row rounded up to a multiple of target_multiple
     (at most row_length), so that the learner sees few distinct shapes; 0 = no index.
+
+    summary_weight scales the advantage of the policy's summary tokens (`Trajectory.summary_spans`,
+    context strategy 'summarize'): A_t = w * A for t in a summary turn. Every policy-gradient
+    surrogate here is linear in A_t (the clipped one too, for w > 0), so this weights the summary
+    tokens' term of the loss by w against the action tokens': FoldAct's separate loss on summary
+    tokens (against their gradient dilution) as a per-token weight, under the objective's own
+    reduction.
     """
     pieces = [(i, a, b) for i, t in enumerate(trajectories) for a, b in t.segments]
     order = sorted(range(len(pieces)), key=lambda p: -(pieces[p][2] - pieces[p][1]))
@@ -63,6 +71,11 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
             out["positions"][r, sl] = np.arange(n)
             out["loss_mask"][r, sl] = mask
             out["advantages"][r, sl] = t.advantage * mask
+            if summary_weight != 1.0:
+                for lo, hi in t.summary_spans:
+                    lo, hi = max(lo, a), min(hi, b)
+                    if lo < hi:
+                        out["advantages"][r, start + lo - a:start + hi - a] *= summary_weight
             out["sampler_logprobs"][r, sl] = t.sampler_logprobs[a:b] * mask
             out["policy_version"][r, sl] = np.where(mask == 1, t.policy_version[a:b], -1)
             start += n

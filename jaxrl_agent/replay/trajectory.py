@@ -52,6 +52,12 @@ class Trajectory:
         return list(zip(edges[:-1], edges[1:]))
 
     @property
+    def summary_spans(self) -> list[tuple[int, int]]:
+        """[(start, end)] of the policy's summary turns (context strategy 'summarize'), from the
+        turn records."""
+        return [tuple(t["token_span"]) for t in self.turns if t.get("summary") and "token_span" in t]
+
+    @property
     def longest_segment(self) -> int:
         return max((b - a for a, b in self.segments), default=0)
 
@@ -141,7 +147,8 @@ class PartialRollout:
 
     Fields: `segment_starts` as in `Trajectory`; `turns` the finished turns' records; `messages`
     the conversation so far (re-rendered histories need it); `turn_sampler_calls` and
-    `turn_closed_think` the current turn's counters; `suspensions` how often it has been suspended.
+    `turn_closed_think` the current turn's counters; `suspensions` how often it has been suspended;
+    `summarizing` whether that turn is the policy's summary (`rollout.context='summarize'`).
     """
 
     tokens: np.ndarray
@@ -157,6 +164,7 @@ class PartialRollout:
     turn_sampler_calls: int = 0
     turn_closed_think: int = 0
     suspensions: int = 0
+    summarizing: bool = False  # suspended in the policy's summary turn (context strategy 'summarize')
 
     @property
     def length(self) -> int:

@@ -222,6 +222,7 @@ class _Progress:
     turn_calls: int = 0
     turn_closed_think: int = 0
     suspensions: int = 0
+    summarizing: bool = False  # the current turn is the policy's summary (context strategy 'summarize')
 
     def add(self, ids, *, logprobs=None, versions=None) -> None:
         """Appends ids: generated ones with their log-probs and versions, else context (mask 0)."""
@@ -240,7 +241,7 @@ class _Progress:
             turn_start=self.turn_start, segment_starts=tuple(self.starts), turns=tuple(dict(t) for t in self.turns),
             actions=tuple(self.actions), observation_digests=tuple(self.digests),
             messages=tuple(_json_message(m) for m in self.messages), turn_sampler_calls=self.turn_calls,
-            turn_closed_think=self.turn_closed_think, suspensions=self.suspensions)
+            turn_closed_think=self.turn_closed_think, suspensions=self.suspensions, summarizing=self.summarizing)
 
     @classmethod
     def resumed(cls, p: PartialRollout) -> "_Progress":
@@ -249,7 +250,7 @@ class _Progress:
                    segment=p.segment_starts[-1] if p.segment_starts else 0, starts=list(p.segment_starts),
                    turns=[dict(t) for t in p.turns], actions=list(p.actions), digests=list(p.observation_digests),
                    turn_start=p.turn_start, turn_calls=p.turn_sampler_calls, turn_closed_think=p.turn_closed_think,
-                   suspensions=p.suspensions)
+                   suspensions=p.suspensions, summarizing=p.summarizing)
 
 
 def _json_message(message: dict) -> dict:
@@ -311,14 +312,12 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     end_ids = template.end_ids(tokenizer)
     think_budget = settings.max_think_tokens
     close_think = tokenizer.encode(f"\n{tool_formats.THINK_CLOSE}\n\n") if think_budget > 0 else []
-    reward, components, finish_reason, success = 0.0, {}, "max_turns", False
-    continuing = resume is not None  # the first turn is the one the partial rollout was suspended in
-    while len(st.turns) < settings.max_turns:
-        if not continuing:
-            st.turn_start, st.turn_calls, st.turn_closed_think = len(st.tokens), 0, 0
-        continuing = False
+    ctx = settings.context
+
+    async def sample_turn() -> tuple[list[int], bool, str]:
+        """Samples the current turn to its end (possibly over several sampler calls): (its ids,
+        whether the context's limit cut it, the last call's finish reason)."""
         ids = st.tokens[st.turn_start:]  # this turn's ids, possibly over several sampler calls
-        started = time.perf_counter()
         cut, last_finish = False, "length"
         thinking: bool | None = None if think_budget > 0 else False
         while True:
@@ -357,6 +356,16 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
             # context's limit): resume the same turn with the next call.
             if not (completion.finish_reason == "length" and wanted < full_room):
                 break
+        return ids, cut, last_finish
+
+    reward, components, finish_reason, success = 0.0, {}, "max_turns", False
+    continuing = resume is not None  # the first turn is the one the partial rollout was suspended in
+    while sum(not t.get("summary") for t in st.turns) < settings.max_turns:
+        if not continuing:
+            st.turn_start, st.turn_calls, st.turn_closed_think = len(st.tokens), 0, 0
+        continuing = False
+        started = time.perf_counter()
+        ids, cut, last_finish = await sample_turn()
         if not ids:
             finish_reason = "context_limit"
             break
@@ -364,34 +373,53 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         if cut and not ended:
             finish_reason = "context_limit"
             break
-        action = fmt.to_env(tokenizer.decode(ids[:-len(end_ids)] if ended else ids))
-        step = await env.step(action)
-        st.turns.append({"sampled_tokens": len(ids) - st.turn_closed_think * len(close_think),
-                         "sample_seconds": time.perf_counter() - started, "sampler_calls": st.turn_calls,
-                         "finish_reason": last_finish,
-                         **({"think_closed_by_budget": True} if st.turn_closed_think else {})})
-        if step.done:
-            reward = float(step.reward)
-            components = dict(step.info.get("reward_components", {}))
-            finish_reason = step.info.get("finish_reason", "answer")
-            success = bool(step.info.get("success", False))
-            break
-        st.actions.append(action)
-        st.digests.append(observation_digest(step.observation.text))
-        result = fmt.result(step.observation.text)
-        st.messages = [*st.messages, {"role": "assistant", "token_ids": ids},
-                       {"role": step.observation.role, "content": result}]
-        continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
-                                             role=step.observation.role, content=result,
-                                             close_assistant=not ended, rerender=rerender)
-        next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
-        if context_lib.should_edit(settings.context, next_tokens, settings.max_context):
-            messages = context_lib.edited(settings.context, st.messages)
-            if messages != st.messages:  # the conversation the episode continues from, a new sequence
-                st.messages = messages
-                continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
-                restart, next_tokens = True, len(continuation)
-                st.turns[-1]["context_edit"] = settings.context.strategy
+        text = tokenizer.decode(ids[:-len(end_ids)] if ended else ids)
+        record = {"sampled_tokens": len(ids) - st.turn_closed_think * len(close_think),
+                  "sample_seconds": time.perf_counter() - started, "sampler_calls": st.turn_calls,
+                  "finish_reason": last_finish, **({"think_closed_by_budget": True} if st.turn_closed_think else {})}
+        if st.summarizing:  # the policy's summary: the episode goes on from the head and it
+            st.turns.append({**record, "summary": True, "token_span": [st.turn_start, len(st.tokens)],
+                             "context_edit": ctx.strategy})
+            st.summarizing = False
+            st.messages = context_lib.after_summary(ctx, st.messages, tool_formats.strip_reasoning(text).strip())
+            continuation = template.render(st.messages, tokenizer, add_generation_prompt=True).ids.tolist()
+            restart, next_tokens = True, len(continuation)
+        else:
+            action = fmt.to_env(text)
+            step = await env.step(action)
+            st.turns.append(record)
+            if step.done:
+                reward = float(step.reward)
+                components = dict(step.info.get("reward_components", {}))
+                finish_reason = step.info.get("finish_reason", "answer")
+                success = bool(step.info.get("success", False))
+                break
+            st.actions.append(action)
+            st.digests.append(observation_digest(step.observation.text))
+            result = fmt.result(step.observation.text)
+            st.messages = [*st.messages, {"role": "assistant", "token_ids": ids},
+                           {"role": step.observation.role, "content": result}]
+            continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
+                                                 role=step.observation.role, content=result,
+                                                 close_assistant=not ended, rerender=rerender)
+            next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+            edits = sum("context_edit" in t for t in st.turns)
+            if context_lib.should_edit(ctx, next_tokens, settings.max_context, edits):
+                if ctx.strategy == "summarize":  # the request follows the result; the next turn is the summary
+                    content = context_lib.with_summary_request(ctx, result)
+                    st.messages = [*st.messages[:-1], {"role": step.observation.role, "content": content}]
+                    continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
+                                                         role=step.observation.role, content=content,
+                                                         close_assistant=not ended, rerender=rerender)
+                    next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+                    st.summarizing = True
+                else:
+                    messages = context_lib.edited(ctx, st.messages)
+                    if messages != st.messages:  # the conversation the episode continues from, a new sequence
+                        st.messages = messages
+                        continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
+                        restart, next_tokens = True, len(continuation)
+                        st.turns[-1]["context_edit"] = ctx.strategy
         if next_tokens >= settings.max_context:
             finish_reason = "context_limit"
             break
@@ -416,14 +444,16 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
     """A scripted-expert episode rendered exactly as a sampled one would be (SFT data): the
     expert's protocol actions are written in the policy's tool format, and its learner sequences are
     split where the template rewrites history, and where the context strategy edits the
-    conversation (with `max_context` > 0), as a sampled episode's are."""
+    conversation (with `max_context` > 0), as a sampled episode's are. With 'summarize' the
+    summary is `expert.summarize(task, observations, actions)` where the expert has one, else the
+    latest observation (`context.default_summary`)."""
     fmt = tool_formats.get(tool_format)
     first = env.reset(task, seed)
     messages, template = first_messages(first, template, fmt, include_system_prompt=include_system_prompt)
     tokens = list(template.render(messages, tokenizer, add_generation_prompt=True).ids)
     mask = [0] * len(tokens)
     rerender = history == "template" and hasattr(template, "render_text")
-    segment, starts = 0, []
+    segment, starts, edits, turns = 0, [], 0, []
     observations, actions = [first.text], []
     while True:
         action = expert(task, observations, actions)
@@ -431,6 +461,7 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
         ids = tokenizer.encode(fmt.from_env(action)) + template.end_ids(tokenizer)
         tokens += ids
         mask += [1] * len(ids)
+        turns.append({"sampled_tokens": len(ids)})
         step = env.step(action)
         observations.append(step.observation.text)
         if step.done:
@@ -442,12 +473,37 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
                                              role=step.observation.role, content=result, close_assistant=False,
                                              rerender=rerender)
         next_tokens = (0 if restart else len(tokens) - segment) + len(continuation)
-        if max_context > 0 and context_lib.should_edit(context, next_tokens, max_context):
-            edited = context_lib.edited(context, messages)
-            if edited != messages:  # as run_episode: the edited conversation, a new learner sequence
-                messages = edited
-                continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
-                restart = True
+        if max_context > 0 and context_lib.should_edit(context, next_tokens, max_context, edits):
+            if context.strategy == "summarize":  # as run_episode: the request, the expert's summary, then the head
+                content = context_lib.with_summary_request(context, result)
+                messages = [*messages[:-1], {"role": step.observation.role, "content": content}]
+                continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
+                                                     role=step.observation.role, content=content,
+                                                     close_assistant=False, rerender=rerender)
+                if restart:
+                    segment = len(tokens)
+                    starts.append(segment)
+                tokens += continuation
+                mask += [0] * len(continuation)
+                summarize = getattr(expert, "summarize", None)
+                summary = summarize(task, observations, actions) if summarize else context_lib.default_summary(
+                    observations)
+                ids = tokenizer.encode(summary) + template.end_ids(tokenizer)
+                turns.append({"sampled_tokens": len(ids), "summary": True, "token_span": [len(tokens), len(tokens) + len(ids)],
+                              "context_edit": context.strategy})
+                tokens += ids
+                mask += [1] * len(ids)
+                messages = context_lib.after_summary(context, messages, summary)
+                continuation, restart = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist(), True
+                edits += 1
+            else:
+                edited = context_lib.edited(context, messages)
+                if edited != messages:  # as run_episode: the edited conversation, a new learner sequence
+                    messages = edited
+                    continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
+                    restart = True
+                    edits += 1
+                    turns[-1]["context_edit"] = context.strategy
         if restart:
             segment = len(tokens)
             starts.append(segment)
@@ -458,4 +514,4 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
                       sampler_logprobs=np.zeros(n, np.float32), policy_version=np.zeros(n, np.int32),
                       reward=float(step.reward), reward_components=dict(step.info.get("reward_components", {})),
                       env=task.env, task_id=task.id, finish_reason=step.info.get("finish_reason", ""),
-                      segment_starts=tuple(starts))
+                      turns=turns, segment_starts=tuple(starts))

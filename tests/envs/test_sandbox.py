@@ -113,6 +113,15 @@ def _descendants(root):
     return found
 
 
+def _cmdline(pid) -> bytes:
+    """A process's command line; b'' once it has exited (reading a gone process's raises ESRCH)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_sandboxed_processes_die_with_their_worker():
     """SIGKILL the worker process running a sandbox: nothing of the sandbox survives it."""
     worker = subprocess.Popen([sys.executable, "-c", (
@@ -122,8 +131,7 @@ def test_sandboxed_processes_die_with_their_worker():
     deadline = time.monotonic() + 30
     sandboxed = []
     while time.monotonic() < deadline:
-        sandboxed = [pid for pid in _descendants(worker.pid)
-                     if b"/sandbox/main.py" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        sandboxed = [pid for pid in _descendants(worker.pid) if b"/sandbox/main.py" in _cmdline(pid)]
         if sandboxed:
             break
         time.sleep(0.1)

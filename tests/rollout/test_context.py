@@ -27,6 +27,15 @@ def test_each_strategy_edits_the_conversation_as_it_says():
     assert context.edited(context.ContextSettings("discard_all", note="gone"), messages) == \
         [*HEAD, {"role": "user", "content": "gone"}]
     assert messages == HEAD + TURNS  # not changed in place
+    # Edited again, a conversation keeps one note (or summary): they never pile up.
+    for settings in (context.ContextSettings("keep_recent", keep_turns=1), context.ContextSettings("discard_all")):
+        again = context.edited(settings, [*context.edited(settings, messages), *TURNS[:2]])
+        assert sum(m.get("content") == context.DEFAULT_NOTE for m in again) == 1 and again[:2] == HEAD
+    once = context.after_summary(context.ContextSettings("summarize"), messages, "s1")
+    twice = context.after_summary(context.ContextSettings("summarize"), [*once, *TURNS[:2]], "s2")
+    assert twice == [*HEAD, {"role": "user", "content": context.DEFAULT_SUMMARY_PREFIX + "s2"}]
+    kept = [*HEAD, {"role": "user", "content": context.DEFAULT_NOTE}, *TURNS[:2]]
+    assert context.edited(context.ContextSettings("keep_recent", keep_turns=1), kept) == kept  # nothing to drop
     assert not context.should_edit(context.ContextSettings("none"), 10_000, 100)
     assert context.should_edit(context.ContextSettings("keep_recent", trigger=0.5), 51, 100)
     assert not context.should_edit(context.ContextSettings("keep_recent", trigger=0.5), 50, 100)
@@ -129,3 +138,110 @@ def test_demonstrations_are_edited_as_sampled_episodes_are():
     # Unedited with the defaults: the demonstrations of the default run are unchanged.
     default = rollout.expert_trajectory(env, task, expert, TOKENIZER, tok.CHATML, max_context=60)
     np.testing.assert_array_equal(default.tokens, plain.tokens)
+
+
+class SummarizingSampler(ToolLoopSampler):
+    """ToolLoopSampler that, asked for a summary, writes 'expr <the task's expression>'."""
+
+    async def generate(self, prompt_ids, sampling):
+        text = TOKENIZER.decode(prompt_ids)
+        if text.rfind(context.DEFAULT_SUMMARY_REQUEST) > text.rfind("<|im_start|>assistant") - 40 > 0:
+            self.prompts.append(list(prompt_ids))
+            expr = text.split("Q: ")[1].split("=?")[0]
+            ids = (TOKENIZER.encode(f"expr {expr}") + [END])[: sampling.max_tokens]
+            return Completion(tuple(ids), tuple(-0.25 for _ in ids), tuple(7 for _ in ids), "stop")
+        return await super().generate(prompt_ids, sampling)
+
+
+def _summarized_episode(max_edits=0, max_context=120, trigger=0.6):
+    env = envs.make("calculator")
+    task = env.sample_task(3, 1)
+    settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=100),
+                                       max_context=max_context, max_turns=8,
+                                       context=context.ContextSettings("summarize", trigger=trigger, max_edits=max_edits))
+    sampler = SummarizingSampler()
+    t = asyncio.run(rollout.run_episode(sampler, rollout.InProcessEnv(env), task, TOKENIZER, tok.CHATML, settings))
+    return t, sampler.prompts, task
+
+
+def test_summarize_trains_the_summary_and_goes_on_from_the_task_and_the_summary():
+    t, prompts, task = _summarized_episode()
+    summaries = [turn for turn in t.turns if turn.get("summary")]
+    assert t.finish_reason == "max_turns" and len(t.turns) - len(summaries) == 4  # summaries are not env turns
+    assert summaries and len(t.segment_starts) == len(summaries) == sum("context_edit" in turn for turn in t.turns)
+    assert t.longest_segment <= 120
+    expr = TOKENIZER.decode(t.tokens[:21].tolist()).split("Q: ")[1].split("=?")[0]
+    calls = iter(prompts)
+    for (a, b), (start, end) in zip(t.segments, t.summary_spans + [(None, None)]):
+        sequence = t.tokens[a:b].tolist()
+        for s in np.flatnonzero(np.diff(np.r_[0, t.loss_mask[a:b]]) == 1):
+            assert next(calls) == sequence[:s]  # every call saw exactly its sequence so far
+        if start is not None:
+            # The summary is the last turn of its sequence: the policy's own tokens, trained, conditioned
+            # on the whole context including the request.
+            assert a < start < end == b and t.loss_mask[start:end].all()
+            assert TOKENIZER.decode(t.tokens[start:end - 1].tolist()) == f"expr {expr}"
+            assert context.DEFAULT_SUMMARY_REQUEST in TOKENIZER.decode(t.tokens[a:start].tolist())
+        if a > 0:  # a later sequence: the task, then the summary as context
+            text = TOKENIZER.decode(sequence)
+            assert f"{context.DEFAULT_SUMMARY_PREFIX}expr {expr}" in text and "Q: " in text
+            assert text.count("<tool_result>") <= 1 and t.loss_mask[a] == 0
+    assert next(calls, None) is None
+
+
+def test_max_edits_caps_the_edits_and_the_episode_then_grows_past_the_trigger():
+    capped, _, _ = _summarized_episode(max_edits=1, max_context=110, trigger=0.4)
+    free, _, _ = _summarized_episode(max_edits=0, max_context=110, trigger=0.4)
+    assert sum("context_edit" in turn for turn in free.turns) >= 2
+    assert sum("context_edit" in turn for turn in capped.turns) == 1 and len(capped.segment_starts) == 1
+    a, b = capped.segments[-1]
+    assert b - a > 0.4 * 110 + 32  # passed the trigger again, and was not edited
+    assert not context.should_edit(context.ContextSettings("keep_recent", max_edits=2), 10_000, 100, edits=2)
+    assert context.should_edit(context.ContextSettings("keep_recent", max_edits=2), 10_000, 100, edits=1)
+
+
+def test_the_summary_weight_scales_only_the_summary_tokens_advantages():
+    import dataclasses
+
+    from jaxrl_agent import replay
+
+    t, _, _ = _summarized_episode()
+    t = dataclasses.replace(t, advantage=0.5)
+    plain, _ = replay.pack([t], 128)
+    weighted, _ = replay.pack([t], 128, summary_weight=3.0)
+    in_summary = np.zeros(t.length, bool)
+    for a, b in t.summary_spans:
+        in_summary[a:b] = True
+    # Rebuild each packed token's place in the trajectory from the packing's segments.
+    ratio = np.asarray(weighted.advantages) / np.where(np.asarray(plain.advantages) == 0, 1, plain.advantages)
+    trained = np.asarray(plain.loss_mask) == 1
+    assert sorted(set(np.round(ratio[trained], 6))) == [1.0, 3.0]
+    assert int((np.round(ratio[trained], 6) == 3.0).sum()) == int(in_summary.sum())
+    assert np.isclose(np.asarray(plain.advantages)[trained], 0.5).all()
+
+
+def test_a_partial_rollout_suspended_in_a_summary_keeps_that_it_was():
+    from jaxrl_agent.replay import PartialRollout
+
+    p = PartialRollout(tokens=np.arange(4, dtype=np.int32), loss_mask=np.array([0, 0, 1, 1], np.int32),
+                       sampler_logprobs=np.zeros(4, np.float32), policy_version=np.array([-1, -1, 3, 3], np.int32),
+                       turn_start=2, summarizing=True)
+    assert PartialRollout.from_dict(p.to_dict()).summarizing
+    assert not PartialRollout.from_dict({**p.to_dict(), "summarizing": False}).summarizing
+
+
+def test_summarized_demonstrations_train_the_experts_summary():
+    env = envs.make("calculator")
+    task = env.sample_task(3, 1)
+    expert = envs.expert_policy("calculator")
+    settings = context.ContextSettings("summarize", trigger=0.6)
+    t = rollout.expert_trajectory(env, task, expert, TOKENIZER, tok.CHATML, context=settings, max_context=80)
+    assert len(t.segment_starts) >= 1
+    (a, _), (b, _) = t.segments[0], t.segments[1]
+    first = TOKENIZER.decode(t.tokens[a:b].tolist())
+    assert context.DEFAULT_SUMMARY_REQUEST in first
+    # The expert's summary (the latest observation, by default) is trained, then stands in the next sequence.
+    trained = TOKENIZER.decode(t.tokens[a:b][t.loss_mask[a:b] == 1].tolist())
+    second = TOKENIZER.decode(t.tokens[b:].tolist())
+    assert context.DEFAULT_SUMMARY_PREFIX in second and "<tool_result>" in trained
+    assert t.reward == 1.0
