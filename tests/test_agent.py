@@ -124,6 +124,7 @@ def test_more_edits_at_deployment_than_training_allowed(policy):
     assert count(capped) <= 1 < count(scaled)
 
 
+@pytest.mark.slow
 def test_launch_agent_runs_a_checkpoint_and_prints_transcripts(tmp_path):
     """The CLI on a run's workdir (config.json and a checkpoint): it restores that checkpoint's
     parameters, not the initial ones, and prints each episode's transcript and a tally."""
