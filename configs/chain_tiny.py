@@ -1,6 +1,6 @@
 """The tiny default on the long-horizon `chain` environment, with context management.
 
-Follow a chain of log records one `read` at a time; every read adds ~49 tokens, so chains of 4 or
+Follow a chain of log records one `read` at a time; every read adds ~49 tokens, so chains of 3 or
 more reads outgrow `rollout.max_context` = 192 tokens. With `rollout.context='none'` those episodes
 end at the limit unanswered; `keep_recent` (one kept turn) and `summarize` go on past it.
 
@@ -10,32 +10,25 @@ Run:
 Compare the strategies at equal wall time: benchmarks/context_strategies.py.
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
-
-def _sibling(name):
-    """Loads another config file of this folder (config files are loaded by path, not as a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxrl_agent import config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = _sibling("calculator_tiny").get_config()
+    config = config_lib.load_config(os.path.join(os.path.dirname(__file__), "calculator_tiny.py"))
     config.unlock()
     config.workdir = "runs/chain_tiny"  # Where checkpoints and metrics go.
     config.env.name = "chain"  # Follow a chain of records; difficulty = reads.
-    config.env.train_difficulties = "1,2,3,4,5,6"  # 1-3 fit in the context; 4-6 need context management.
-    config.env.eval_difficulties = "1,2,3,4,5,6"
+    config.env.train_difficulties = "1,2,3,4,5,6"  # 1-2 fit in the context; 3-6 need context management.
+    config.env.eval_difficulties = "1,2,3,4,5,6"  # Held-out levels (the same).
     config.rollout.max_context = 192  # Tokens per learner sequence (the context the policy sees).
     config.rollout.max_turns = 12  # Assistant turns per episode (reads and the answer; summaries not counted).
     config.rollout.max_tokens_per_turn = 32  # A read or an answer is ~15 tokens, a summary ~10.
     config.rollout.context = "keep_recent"  # Only the latest record matters to go on.
-    config.rollout.context_keep_turns = 1
+    config.rollout.context_keep_turns = 1  # The latest read and its record.
     config.rollout.context_trigger = 0.6  # Leaves room for the summary request and the summary.
     config.sampler.max_cache_length = 192  # >= rollout.max_context.
     config.learner.row_length = 192  # >= rollout.max_context.
