@@ -36,7 +36,8 @@ def test_model_api_example_runs():
 
 
 def test_environment_examples_run():
-    blocks = [b for b in _python_blocks() if "envs." in b and "datasets" not in b and "train_and_evaluate" not in b]
+    blocks = [b for b in _python_blocks() if "envs." in b and "datasets" not in b and "train_and_evaluate" not in b
+              and "agent.load" not in b]
     assert len(blocks) == 2
     for block in blocks:
         namespace = {}
@@ -44,6 +45,21 @@ def test_environment_examples_run():
     custom = next(b for b in blocks if "ReverseEnv" in b)
     assert len(custom.strip().splitlines()) <= 40
     assert namespace["final"].info["success"]
+
+
+def test_deployment_example_runs(tmp_path, monkeypatch):
+    """The guide's `agent` example, on a run folder holding only its config (no checkpoint yet:
+    `agent.load` then deploys the config's initial parameters)."""
+    block = next(b for b in _python_blocks() if "agent.load" in b)
+    config = config_lib.load_config(str(ROOT / "configs" / "chain_tiny.py"))
+    (tmp_path / "runs" / "chain_tiny").mkdir(parents=True)
+    (tmp_path / "runs" / "chain_tiny" / "config.json").write_text(config.to_json())
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(block, "docs/guide.md", "exec"), namespace)
+    result = namespace["result"]
+    assert result.transcript and "Q: Follow the chain from" in result.text()
+    assert result.trajectory.longest_segment <= config.rollout.max_context
 
 
 def test_sampling_example_runs():
