@@ -114,6 +114,16 @@ class Soak:
         log = open(os.path.join(self.args.logdir, f"trainer_{int(time.time())}.log"), "w")
         self.trainer = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
+    def every_kind_injected(self, with_hangs: bool = False) -> bool:
+        """Whether every kind of fault has been injected at least once (the hangs, injected by the
+        environment itself, are known only from the env server's counters at the end)."""
+        with self.lock:
+            injected = set(self.injected)
+        kinds = {kind.split(":")[0] for kind in injected}
+        wanted = {"kill env worker", "kill sampler server", "SIGKILL trainer + resume", "bad requests", "hostile code"}
+        return kinds >= (wanted | {"hang env step"} if with_hangs else wanted) and \
+            {"bad requests: env server", "bad requests: sampler server"} <= injected
+
     def _count(self, kind: str, survived: bool | None = None):
         with self.lock:
             if survived is None:
@@ -267,7 +277,9 @@ class Soak:
                 if code != -signal.SIGKILL:
                     self.failures.append(f"trainer exited with {code}")
                     break
-            if time.monotonic() > deadline and not self.done.is_set():
+            # The chaos ends at the deadline once every kind was injected: on a slow host RL (which
+            # the trainer kill needs) may start only after --minutes.
+            if time.monotonic() > deadline and not self.done.is_set() and self.every_kind_injected():
                 self.done.set()  # no more faults; let the run finish
             time.sleep(1.0)
         self.done.set()
@@ -315,10 +327,7 @@ class Soak:
         if hangs:
             self.injected["hang env step"] = hangs
             self.survived["hang env step"] = hangs if finished else 0
-        kinds = {kind.split(":")[0] for kind in self.injected}
-        checks["every kind of fault injected"] = kinds >= {
-            "kill env worker", "kill sampler server", "SIGKILL trainer + resume", "bad requests", "hostile code",
-            "hang env step"} and {"bad requests: env server", "bad requests: sampler server"} <= set(self.injected)
+        checks["every kind of fault injected"] = self.every_kind_injected(with_hangs=True)
         checks["env worker kills seen by the pool"] = (
             self.env_stats.get("env_crash", 0) + self.env_stats.get("worker_restarts", 0)
             >= self.injected.get("kill env worker", 0))
@@ -341,7 +350,8 @@ class Soak:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=10.0, help="How long the chaos lasts.")
+    parser.add_argument("--minutes", type=float, default=10.0,
+                        help="How long the chaos lasts (longer, until every kind of fault was injected).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft_minutes", type=float, default=4.0,
                         help="Added to --minutes for rl.time_budget_minutes (which counts SFT and evaluations).")
