@@ -143,18 +143,8 @@ def load(workdir: str, *, config=None, step: int | None = None, temperature: flo
     model_config, params = build.build_model(config)
     checkpoints = os.path.join(workdir, "checkpoints")
     restored = None
-    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
-        checkpointer = checkpoint.Checkpointer(checkpoints, keep=config.checkpoint.keep)
-        try:
-            found = checkpointer.latest() if step is None else checkpointer.select(step)
-            if found is None:
-                raise FileNotFoundError(f"no checkpoint in {checkpoints} restores: {checkpointer.skipped}")
-            params = checkpointer.restore_params(params)
-            restored = checkpointer.step
-        finally:
-            checkpointer.close()
-    elif step is not None:
-        raise FileNotFoundError(f"workdir={workdir!r} has no checkpoints (expected {checkpoints}/<step>)")
+    if step is not None or (os.path.isdir(checkpoints) and os.listdir(checkpoints)):
+        params, restored, _ = checkpoint.restore_policy(checkpoints, params, keep=config.checkpoint.keep, step=step)
     tok = build.build_tokenizer(config)
     template = build.build_template(config)
     sampler = LocalSampler(build.build_engine(config, model_config, params, tok))

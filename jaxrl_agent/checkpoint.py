@@ -186,6 +186,25 @@ class Checkpointer:
         self.manager.close()
 
 
+def restore_policy(directory: str, params_target, *, keep: int, step: int | None = None):
+    """(params, step, run state) of a run's checkpoint in `directory` (`<workdir>/checkpoints`): the
+    newest that restores, or `step`; the parameters cast to `params_target`'s dtypes. Raises
+    FileNotFoundError when there is no checkpoint, none restores, or `step` is not there."""
+    if not os.path.isdir(directory) or not os.listdir(directory):
+        raise FileNotFoundError(f"no checkpoints in {directory!r} (expected {directory}/<step>)")
+    checkpointer = Checkpointer(directory, keep=keep)
+    try:
+        if step is None:
+            run_state = checkpointer.latest()
+            if run_state is None:
+                raise FileNotFoundError(f"no checkpoint in {directory} restores: {checkpointer.skipped}")
+        else:
+            run_state = checkpointer.select(step)
+        return checkpointer.restore_params(params_target), checkpointer.step, run_state
+    finally:
+        checkpointer.close()
+
+
 def learner_arrays(state, judge_params=None) -> dict[str, Any]:
     """The arrays a checkpoint holds: the learner state, and the frozen reference and judge
     weights when the run has them (a resumed run must judge and regularise against the same ones)."""

@@ -74,22 +74,9 @@ def export(config, workdir: str, out: str, *, step: int | None = None, max_shard
     """Writes a checkpoint's policy (the newest that restores, or `step`) to `out`; returns what was written."""
     from jaxrl_agent import build, checkpoint, models
 
-    checkpoints = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(checkpoints) or not os.listdir(checkpoints):
-        raise FileNotFoundError(f"workdir={workdir!r} has no checkpoints to export (expected {checkpoints}/<step>)")
     model_config, params = build.build_model(config)
-    checkpointer = checkpoint.Checkpointer(checkpoints, keep=config.checkpoint.keep)
-    try:
-        if step is None:
-            run_state = checkpointer.latest()
-            if run_state is None:
-                raise FileNotFoundError(f"no checkpoint in {checkpoints} restores: {checkpointer.skipped}")
-        else:
-            run_state = checkpointer.select(step)
-        params = checkpointer.restore_params(params)
-        step = checkpointer.step
-    finally:
-        checkpointer.close()
+    params, step, run_state = checkpoint.restore_policy(os.path.join(workdir, "checkpoints"), params,
+                                                        keep=config.checkpoint.keep, step=step)
     copied = write_folder(out, config, model_config, params, max_shard_bytes=max_shard_bytes)
     return {"out": out, "step": step, "stage": run_state.stage if run_state else None,
             "version": run_state.version if run_state else None, "params": models.count_params(params),
