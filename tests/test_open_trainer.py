@@ -110,7 +110,9 @@ def _scrambled_reward(trajectory) -> float:
     return float(np.random.RandomState(abs(hash((trajectory.group_id, trajectory.sample_index))) % 2**31).rand())
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+# One variant in the default suite; the others (~20 s each) in the slow pass.
+@pytest.mark.parametrize("name", [name if name == "ppo+grpo+none+dual_clip" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in sorted(VARIANTS)])
 def test_every_named_objective_advantage_correction_and_kl_runs_from_the_config(tmp_path, name):
     config = _rl_only(tiny_config(tmp_path))
     for key, value in VARIANTS[name].items():
@@ -160,6 +162,7 @@ def test_kl_to_the_reference_falls_when_only_kl_is_optimised():
     assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(reference)))
 
 
+@pytest.mark.slow
 def test_an_objective_and_a_reward_fn_passed_from_python(tmp_path):
     seen = []
 
@@ -338,6 +341,7 @@ def _saved_like_the_policy(config, folder, seed):
     return str(folder)
 
 
+@pytest.mark.slow
 def test_a_reference_and_a_judge_from_hugging_face_folders(tmp_path):
     config = _rl_only(tiny_config(tmp_path / "initial"), iterations=1)
     config.rl.kl_coef = 0.05
@@ -355,6 +359,7 @@ def test_a_reference_and_a_judge_from_hugging_face_folders(tmp_path):
     assert folder["judge/failures"] + (folder["judge/score_mean"] > 0) >= 1 and "reward/judge" in folder
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_frozen_reference_and_judge(tmp_path):
     import orbax.checkpoint as ocp
 

@@ -21,6 +21,7 @@ def _nan_loss(logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg):
     return jnp.sum(logprobs * mask) * jnp.nan, {}
 
 
+@pytest.mark.slow
 def test_a_run_of_non_finite_updates_stops_the_run(tmp_path):
     config = _rl_only(tiny_config(tmp_path), iterations=5)
     config.rollout.drop_zero_advantage_groups = False  # every iteration trains
@@ -45,6 +46,7 @@ def _truncate_arrays(step_dir):
                     f.truncate(os.path.getsize(path) // 2)
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_a_checkpoint_that_does_not_restore(tmp_path):
     config = _rl_only(tiny_config(tmp_path), iterations=3)
     config.checkpoint.every, config.checkpoint.keep = 1, 3
@@ -72,6 +74,7 @@ def test_every_checkpoint_broken_is_an_error_not_a_fresh_start(tmp_path):
         trainer.train_and_evaluate(config, quiet=True)
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_path, monkeypatch):
     config = _rl_only(tiny_config(tmp_path), iterations=3)
     config.checkpoint.every = 1
@@ -98,6 +101,7 @@ def test_a_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(tmp_
     assert [r["step"] for r in _records(tmp_path) if r["stage"] == "rl"] == [1, 2, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_torn_last_metrics_line_does_not_break_the_summary(tmp_path):
     config = _rl_only(tiny_config(tmp_path), iterations=1)
     trainer.train_and_evaluate(config, quiet=True)

@@ -132,6 +132,7 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     assert all(plot.series(records, stages, key)[0] for stages, key in drawn), drawn
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_schedule(tmp_path):
     config = tiny_config(tmp_path)
     config.checkpoint.every = 1
@@ -163,15 +164,17 @@ def test_rl_with_two_jetstream_sampler_server_processes(tmp_path, monkeypatch):
     config.eval.pass_k = 0
     config.metrics.tensorboard = False
     pinned = []
-    original_spawn = build.SamplerServers._spawn
+    original_wait_ready = build.SamplerServers._wait_ready
 
-    def spawn(self, port, index):
-        process = original_spawn(self, port, index)
+    def wait_ready(self, process):
+        # Read the environment once the server says it listens: just after Popen returns, the
+        # kernel may not have set the new image's environment yet (/proc/PID/environ reads empty).
+        address = original_wait_ready(self, process)
         environ = dict(kv.split("=", 1) for kv in open(f"/proc/{process.pid}/environ").read().split("\0") if "=" in kv)
         pinned.append(environ.get("CUDA_VISIBLE_DEVICES"))
-        return process
+        return address
 
-    monkeypatch.setattr(build.SamplerServers, "_spawn", spawn)
+    monkeypatch.setattr(build.SamplerServers, "_wait_ready", wait_ready)
     path = trainer.train_and_evaluate(config, quiet=True)
     assert pinned == ["0", "1"]
     records = [json.loads(line) for line in open(path)]
@@ -337,6 +340,7 @@ def test_stop_after_trained_tokens_ends_with_a_checkpoint_and_an_evaluation(tmp_
     assert [r["step"] for r in records if r["stage"] == "rl_eval"] == [1]
 
 
+@pytest.mark.slow
 def test_time_budget_ends_rl_at_an_iteration_boundary_with_a_checkpoint_and_an_evaluation(tmp_path):
     config = _early_stop_config(tmp_path, checkpoint_every=0)  # 0: only at the end
     # Already spent by the time RL starts (the initial and post-SFT evaluations take longer).

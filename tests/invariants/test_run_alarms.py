@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 import jax.numpy as jnp
 
 from jaxrl_agent import trainer
@@ -16,6 +17,7 @@ def _records(path):
     return [json.loads(line) for line in open(path)]
 
 
+@pytest.mark.slow
 def test_entropy_and_signal_alarms_fire_when_their_condition_holds(tmp_path):
     config = tiny_config(tmp_path)
     config.rl.iterations, config.eval.every = 3, 0
@@ -80,6 +82,7 @@ def test_responses_engage_within_their_bounds_and_reach_the_parts_they_steer(tmp
     assert not any(event == "released" for _, event, _ in responses)
 
 
+@pytest.mark.slow
 def test_an_alarm_that_releases_in_a_run_releases_its_response(tmp_path, monkeypatch):
     """Entropy scripted per iteration (collapsed twice, then healthy): the alarm fires and
     releases, and the entropy bonus rises, then steps back to the config's value, with a
