@@ -170,6 +170,34 @@ def next_context(template, messages, tokens: list[int], segment_start: int, toke
     return prompt, True
 
 
+def context_after_result(settings: context_lib.ContextSettings, template, messages, tokens: list[int],
+                         segment_start: int, tokenizer: Tokenizer, *, close_assistant: bool, rerender: bool,
+                         max_context: int, edits: int) -> tuple[list, list[int], bool, str]:
+    """How an episode goes on after a tool result, for sampled and expert episodes alike:
+    (the conversation, the ids to add, whether they start a new learner sequence, the edit).
+
+    messages: the conversation so far, ending with that result. The edit is '' (the result is
+    appended: `next_context`), 'summary_request' (summarize's trigger fired: the result carries the
+    request and the next turn is the policy's summary) or 'edited' (keep_recent / discard_all:
+    the edited conversation, re-rendered, as a new sequence). `max_context` <= 0 never edits."""
+    role, result = messages[-1]["role"], messages[-1]["content"]
+    continuation, restart = next_context(template, messages, tokens, segment_start, tokenizer, role=role,
+                                         content=result, close_assistant=close_assistant, rerender=rerender)
+    next_tokens = (0 if restart else len(tokens) - segment_start) + len(continuation)
+    if max_context <= 0 or not context_lib.should_edit(settings, next_tokens, max_context, edits):
+        return messages, continuation, restart, ""
+    if settings.strategy == "summarize":
+        content = context_lib.with_summary_request(settings, result)
+        messages = [*messages[:-1], {"role": role, "content": content}]
+        continuation, restart = next_context(template, messages, tokens, segment_start, tokenizer, role=role,
+                                             content=content, close_assistant=close_assistant, rerender=rerender)
+        return messages, continuation, restart, "summary_request"
+    edited = context_lib.edited(settings, messages)
+    if edited == messages:  # nothing to drop
+        return messages, continuation, restart, ""
+    return edited, template.render(edited, tokenizer, add_generation_prompt=True).ids.tolist(), True, "edited"
+
+
 def _still_thinking(text: str) -> bool | None:
     """Whether a reply so far is inside its think block: True, False (it closed one or never
     opened one), or None (too short to tell)."""
@@ -396,30 +424,15 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 break
             st.actions.append(action)
             st.digests.append(observation_digest(step.observation.text))
-            result = fmt.result(step.observation.text)
-            st.messages = [*st.messages, {"role": "assistant", "token_ids": ids},
-                           {"role": step.observation.role, "content": result}]
-            continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
-                                                 role=step.observation.role, content=result,
-                                                 close_assistant=not ended, rerender=rerender)
+            messages = [*st.messages, {"role": "assistant", "token_ids": ids},
+                        {"role": step.observation.role, "content": fmt.result(step.observation.text)}]
+            st.messages, continuation, restart, edit = context_after_result(
+                ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
+                rerender=rerender, max_context=settings.max_context, edits=sum("context_edit" in t for t in st.turns))
             next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
-            edits = sum("context_edit" in t for t in st.turns)
-            if context_lib.should_edit(ctx, next_tokens, settings.max_context, edits):
-                if ctx.strategy == "summarize":  # the request follows the result; the next turn is the summary
-                    content = context_lib.with_summary_request(ctx, result)
-                    st.messages = [*st.messages[:-1], {"role": step.observation.role, "content": content}]
-                    continuation, restart = next_context(template, st.messages, st.tokens, st.segment, tokenizer,
-                                                         role=step.observation.role, content=content,
-                                                         close_assistant=not ended, rerender=rerender)
-                    next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
-                    st.summarizing = True
-                else:
-                    messages = context_lib.edited(ctx, st.messages)
-                    if messages != st.messages:  # the conversation the episode continues from, a new sequence
-                        st.messages = messages
-                        continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
-                        restart, next_tokens = True, len(continuation)
-                        st.turns[-1]["context_edit"] = ctx.strategy
+            st.summarizing = edit == "summary_request"
+            if edit == "edited":
+                st.turns[-1]["context_edit"] = ctx.strategy
         if next_tokens >= settings.max_context:
             finish_reason = "context_limit"
             break
@@ -466,44 +479,31 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
         observations.append(step.observation.text)
         if step.done:
             break
-        result = fmt.result(step.observation.text)
         messages = [*messages, {"role": "assistant", "token_ids": ids},
-                    {"role": step.observation.role, "content": result}]
-        continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
-                                             role=step.observation.role, content=result, close_assistant=False,
-                                             rerender=rerender)
-        next_tokens = (0 if restart else len(tokens) - segment) + len(continuation)
-        if max_context > 0 and context_lib.should_edit(context, next_tokens, max_context, edits):
-            if context.strategy == "summarize":  # as run_episode: the request, the expert's summary, then the head
-                content = context_lib.with_summary_request(context, result)
-                messages = [*messages[:-1], {"role": step.observation.role, "content": content}]
-                continuation, restart = next_context(template, messages, tokens, segment, tokenizer,
-                                                     role=step.observation.role, content=content,
-                                                     close_assistant=False, rerender=rerender)
-                if restart:
-                    segment = len(tokens)
-                    starts.append(segment)
-                tokens += continuation
-                mask += [0] * len(continuation)
-                summarize = getattr(expert, "summarize", None)
-                summary = summarize(task, observations, actions) if summarize else context_lib.default_summary(
-                    observations)
-                ids = tokenizer.encode(summary) + template.end_ids(tokenizer)
-                turns.append({"sampled_tokens": len(ids), "summary": True, "token_span": [len(tokens), len(tokens) + len(ids)],
-                              "context_edit": context.strategy})
-                tokens += ids
-                mask += [1] * len(ids)
-                messages = context_lib.after_summary(context, messages, summary)
-                continuation, restart = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist(), True
-                edits += 1
-            else:
-                edited = context_lib.edited(context, messages)
-                if edited != messages:  # as run_episode: the edited conversation, a new learner sequence
-                    messages = edited
-                    continuation = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist()
-                    restart = True
-                    edits += 1
-                    turns[-1]["context_edit"] = context.strategy
+                    {"role": step.observation.role, "content": fmt.result(step.observation.text)}]
+        messages, continuation, restart, edit = context_after_result(
+            context, template, messages, tokens, segment, tokenizer, close_assistant=False, rerender=rerender,
+            max_context=max_context, edits=edits)
+        if edit == "summary_request":  # as run_episode: the request, the expert's summary, then the head
+            if restart:
+                segment = len(tokens)
+                starts.append(segment)
+            tokens += continuation
+            mask += [0] * len(continuation)
+            summarize = getattr(expert, "summarize", None)
+            summary = summarize(task, observations, actions) if summarize else context_lib.default_summary(
+                observations)
+            ids = tokenizer.encode(summary) + template.end_ids(tokenizer)
+            turns.append({"sampled_tokens": len(ids), "summary": True, "token_span": [len(tokens), len(tokens) + len(ids)],
+                          "context_edit": context.strategy})
+            tokens += ids
+            mask += [1] * len(ids)
+            messages = context_lib.after_summary(context, messages, summary)
+            continuation, restart = template.render(messages, tokenizer, add_generation_prompt=True).ids.tolist(), True
+            edits += 1
+        elif edit == "edited":
+            edits += 1
+            turns[-1]["context_edit"] = context.strategy
         if restart:
             segment = len(tokens)
             starts.append(segment)
