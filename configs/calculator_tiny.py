@@ -164,7 +164,7 @@ def get_config() -> ml_collections.ConfigDict:
     # the episode ends at max_context. Training, evaluation and deployment edit alike.
     config.rollout.context = "none"
     config.rollout.context_keep_turns = 2  # Turns keep_recent keeps (each a reply and its tool result).
-    config.rollout.context_trigger = 0.75  # Share of max_context the next context may reach before an edit.
+    config.rollout.context_trigger = 0.75  # Share of max_context the next context (summarize: with the request) may reach.
     config.rollout.context_max_edits = 0  # Edits per episode at most (0 = no limit); then it ends at max_context.
     config.rollout.context_note = "(Earlier turns removed.)"  # The message that stands for removed turns.
     config.rollout.context_summary_request = "Summarize the context."  # summarize: asked after the result.

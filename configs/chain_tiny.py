@@ -29,7 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.max_tokens_per_turn = 32  # A read or an answer is ~15 tokens, a summary ~10.
     config.rollout.context = "keep_recent"  # Only the latest record matters to go on.
     config.rollout.context_keep_turns = 1  # The latest read and its record.
-    config.rollout.context_trigger = 0.6  # Leaves room for the summary request and the summary.
+    config.rollout.context_trigger = 0.6  # Leaves 77 tokens for the summary request and the summary.
     config.sampler.max_cache_length = 192  # >= rollout.max_context.
     config.learner.row_length = 192  # >= rollout.max_context.
     return config.lock()

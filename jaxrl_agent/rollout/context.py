@@ -12,8 +12,9 @@ Strategies (`rollout.context`), after GLM-5's hierarchical context strategies:
     assistant reply and its tool result); older turns are dropped, with a note saying so.
   * `discard_all` — the head and the note only: the policy restarts from the task, knowing that it
     has worked on it before.
-  * `summarize` — the learned variant (SUPO, arXiv 2510.06727): the tool result that passes the
-    trigger is followed by `summary_request`, the policy writes a summary as one more turn (its own
+  * `summarize` — the learned variant (SUPO, arXiv 2510.06727): the tool result whose context,
+    with the request, passes the trigger is followed by `summary_request` (so the summary has
+    `(1 - trigger) × max_context` tokens of room), the policy writes a summary as one more turn (its own
     sampled, trained tokens, conditioned on the whole context), and the episode continues from the
     head plus `summary_prefix` + that summary, as a new learner sequence. Summary turns are marked
     in the turn records (`"summary": True`, `"token_span": [start, end]`) so that the learner can

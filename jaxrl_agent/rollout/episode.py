@@ -179,19 +179,27 @@ def context_after_result(settings: context_lib.ContextSettings, template, messag
     messages: the conversation so far, ending with that result. The edit is '' (the result is
     appended: `next_context`), 'summary_request' (summarize's trigger fired: the result carries the
     request and the next turn is the policy's summary) or 'edited' (keep_recent / discard_all:
-    the edited conversation, re-rendered, as a new sequence). `max_context` <= 0 never edits."""
+    the edited conversation, re-rendered, as a new sequence). `max_context` <= 0 never edits.
+    For summarize the trigger counts the request too, so that `(1 - trigger) × max_context` is the
+    room left for the summary."""
     role, result = messages[-1]["role"], messages[-1]["content"]
     continuation, restart = next_context(template, messages, tokens, segment_start, tokenizer, role=role,
                                          content=result, close_assistant=close_assistant, rerender=rerender)
     next_tokens = (0 if restart else len(tokens) - segment_start) + len(continuation)
-    if max_context <= 0 or not context_lib.should_edit(settings, next_tokens, max_context, edits):
+    if max_context <= 0 or settings.strategy == "none":
         return messages, continuation, restart, ""
     if settings.strategy == "summarize":
         content = context_lib.with_summary_request(settings, result)
-        messages = [*messages[:-1], {"role": role, "content": content}]
-        continuation, restart = next_context(template, messages, tokens, segment_start, tokenizer, role=role,
-                                             content=content, close_assistant=close_assistant, rerender=rerender)
-        return messages, continuation, restart, "summary_request"
+        requested = [*messages[:-1], {"role": role, "content": content}]
+        request_ids, request_restart = next_context(template, requested, tokens, segment_start, tokenizer, role=role,
+                                                    content=content, close_assistant=close_assistant,
+                                                    rerender=rerender)
+        request_tokens = (0 if request_restart else len(tokens) - segment_start) + len(request_ids)
+        if not context_lib.should_edit(settings, request_tokens, max_context, edits):
+            return messages, continuation, restart, ""
+        return requested, request_ids, request_restart, "summary_request"
+    if not context_lib.should_edit(settings, next_tokens, max_context, edits):
+        return messages, continuation, restart, ""
     edited = context_lib.edited(settings, messages)
     if edited == messages:  # nothing to drop
         return messages, continuation, restart, ""

@@ -245,3 +245,27 @@ def test_summarized_demonstrations_train_the_experts_summary():
     second = TOKENIZER.decode(t.tokens[b:].tolist())
     assert context.DEFAULT_SUMMARY_PREFIX in second and "<tool_result>" in trained
     assert t.reward == 1.0
+
+
+def test_summarize_counts_its_request_in_the_trigger():
+    """The summary's room is what the trigger leaves: the context with the request is what is
+    measured, so a result that fits under the trigger but not with the request is summarized."""
+    settings = context.ContextSettings("summarize", trigger=0.5)
+    messages = [*HEAD, {"role": "assistant", "token_ids": [5, 6]}, {"role": "tool", "content": "result 0"}]
+    tokens = [0] * 40  # only its length counts for an appending template
+    plain = 40 + len(tok.CHATML.continuation_ids("tool", "result 0", TOKENIZER, close_assistant=False))
+    requested = 40 + len(tok.CHATML.continuation_ids("tool", context.with_summary_request(settings, "result 0"),
+                                                     TOKENIZER, close_assistant=False))
+    assert requested > plain
+
+    def after(max_context):
+        return episode.context_after_result(settings, tok.CHATML, messages, tokens, 0, TOKENIZER, close_assistant=False,
+                                            rerender=False, max_context=max_context, edits=0)
+
+    edited, ids, restart, edit = after(2 * plain)  # plain == trigger x max_context: only the request passes it
+    assert edit == "summary_request" and not restart and len(ids) == requested - 40
+    assert edited[-1]["content"].endswith(context.DEFAULT_SUMMARY_REQUEST) and messages[-1]["content"] == "result 0"
+    assert after(2 * requested)[3] == ""  # room for the request too: no summary yet
+    keep = context.ContextSettings("keep_recent", trigger=0.5, keep_turns=0)
+    assert episode.context_after_result(keep, tok.CHATML, messages, tokens, 0, TOKENIZER, close_assistant=False,
+                                        rerender=False, max_context=2 * plain, edits=0)[3] == ""
