@@ -19,6 +19,7 @@ the transcripts; `load(workdir)` is its Python form.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Sequence
 
@@ -72,8 +73,12 @@ async def run_async(task: envs.Task, sampler, env, *, tokenizer, template, setti
                     context: str | context_lib.ContextSettings | None = None, max_edits: int | None = None,
                     seed: int = 0) -> AgentResult:
     """`run` as a coroutine (to run many episodes concurrently on one sampler)."""
-    episode_env = env if hasattr(env, "reset") and not isinstance(env, envs.Environment) else rollout.InProcessEnv(env)
-    trajectory = await rollout.run_episode(sampler, episode_env, task, tokenizer, template,
+    if isinstance(env, envs.Environment):
+        env = rollout.InProcessEnv(env)
+    elif not inspect.iscoroutinefunction(getattr(env, "reset", None)):
+        raise TypeError(f"env={env!r}: expected an envs.Environment or an episode environment "
+                        "(rollout.EpisodeEnv: async reset / step / close, e.g. rollout.ServiceEnv)")
+    trajectory = await rollout.run_episode(sampler, env, task, tokenizer, template,
                                            with_context(settings, context, max_edits), seed=seed)
     return AgentResult(trajectory, transcript(trajectory, tokenizer))
 

@@ -122,6 +122,12 @@ def test_more_edits_at_deployment_than_training_allowed(policy):
                        max_edits=0)
     count = lambda r: sum("context_edit" in t for t in r.trajectory.turns)
     assert count(capped) <= 1 < count(scaled)
+    # An environment served elsewhere (an episode environment) runs too; anything else is refused.
+    served = agent.run(task, sampler, rollout.InProcessEnv(envs.make("chain")), tokenizer=tok, template=template,
+                       settings=settings, max_edits=0)
+    assert served.transcript == scaled.transcript
+    with pytest.raises(TypeError, match="env='chain': expected an envs.Environment or an episode environment"):
+        agent.run(task, sampler, "chain", tokenizer=tok, template=template, settings=settings)
 
 
 @pytest.mark.slow
