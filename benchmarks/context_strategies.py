@@ -4,7 +4,7 @@
       [--sft_steps 200] [--strategies none,keep_recent,summarize] [--train_max_edits 3]
 
 For each strategy (`rollout.context`): an SFT cold start on expert demonstrations edited by that
-strategy (configs/chain_tiny.py: `rollout.max_context` = 192 tokens, so chains of 3+ reads outgrow
+strategy (configs/chain_tiny.py: `rollout.max_context` = 160 tokens, so chains of 3+ reads outgrow
 it), then RL from that checkpoint for the same wall time (`--rl_minutes`, the run's time budget
 being its SFT time plus that), with at most `--train_max_edits` context edits per episode. Held-out
 greedy success is the run's final evaluation on the training levels, with its standard error
@@ -109,7 +109,7 @@ def main() -> None:
         print(row, flush=True)
 
     base = next((r for r in rows if r["strategy"] == "none"), None)
-    print(f"\nchain, levels {args.train_levels}, max_context 192, {args.rl_minutes:g} min of RL after "
+    print(f"\nchain, levels {args.train_levels}, max_context 160, {args.rl_minutes:g} min of RL after "
           f"{args.sft_steps} SFT updates, at most {args.train_max_edits} edits per episode in training; "
           f"held-out greedy success over {args.eval_tasks} tasks per level\n")
     print("| strategy | RL iterations | after SFT | after RL | ± s.e. | vs none (in s.e.) | edits / episode | "

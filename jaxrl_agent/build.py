@@ -542,6 +542,14 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(r.max_context <= learner_c.row_length,
          f"rollout.max_context={r.max_context} exceeds learner.row_length={learner_c.row_length}: "
          "episodes that long could never be trained on")
+    # A turn's prompt is a whole learner sequence so far (up to max_context - 1 tokens, and the
+    # whole sequence again after a context edit): a sampler that refused it would end the episode.
+    need(config.sampler.max_prefill_length >= r.max_context - 1,
+         f"sampler.max_prefill_length={config.sampler.max_prefill_length} is below rollout.max_context="
+         f"{r.max_context} - 1: a turn's prompt can be that long (use a power of two >= {r.max_context - 1})")
+    need(config.sampler.max_cache_length >= r.max_context,
+         f"sampler.max_cache_length={config.sampler.max_cache_length} is below rollout.max_context={r.max_context}: "
+         "a sampler slot holds a turn's prompt and its reply")
     need(learner_c.summary_weight >= 0, f"learner.summary_weight={learner_c.summary_weight}: expected >= 0 "
                                          "(the summary tokens' weight against action tokens; 1 = the same)")
     need(learner_c.logits_chunk >= 0, f"learner.logits_chunk={learner_c.logits_chunk}: expected >= 0 (0 = whole rows)")

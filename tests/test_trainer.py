@@ -19,7 +19,7 @@ def tiny_config(workdir):
     overrides = {
         "model.num_layers": 1, "model.hidden_size": 32, "model.intermediate_size": 64, "model.num_heads": 2,
         "model.num_kv_heads": 1, "model.head_dim": 16, "sampler.max_concurrent_decodes": 8,
-        "sampler.max_prefill_length": 128, "sampler.max_cache_length": 256, "rollout.prompts_per_iteration": 3,
+        "sampler.max_prefill_length": 256, "sampler.max_cache_length": 256, "rollout.prompts_per_iteration": 3,
         "rollout.group_size": 2, "rollout.max_tokens_per_turn": 48, "rollout.max_context": 200,
         "sft.difficulties": "1", "eval.pass_k": 2,
         "rollout.drop_zero_advantage_groups": False, "sft.steps": 3, "sft.batch_size": 4, "sft.log_every": 1,
@@ -383,6 +383,12 @@ def test_a_server_pipeline_depth_below_one_is_rejected(tmp_path):
     ({"sampler.num_servers": 1, "sampler.addresses": "127.0.0.1:9000"}, "expected one of them"),
     ({"sampler.addresses": "localhost"}, "'localhost' is not 'host:port'"),
     ({"sampler.tls_ca_file": "/nonexistent.pem"}, "is for sampler.addresses"),
+    # A turn's prompt can be a whole sequence: a shorter prefill would end episodes early, silently.
+    ({"rollout.max_context": 192, "sampler.max_prefill_length": 128},
+     "sampler.max_prefill_length=128 is below rollout.max_context=192 - 1"),
+    ({"rollout.max_context": 128, "sampler.max_cache_length": 100, "sampler.max_prefill_length": 64},
+     "sampler.max_prefill_length=64 is below rollout.max_context=128 - 1"),
+    ({"rollout.max_context": 120, "sampler.max_cache_length": 100}, "sampler.max_cache_length=100 is below"),
 ])
 def test_bad_sampler_fleet_settings_are_rejected(tmp_path, overrides, message):
     config = tiny_config(tmp_path)

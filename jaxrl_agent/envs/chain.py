@@ -2,13 +2,13 @@
 whose whole transcript outgrows any affordable context.
 
 Each task generates a log of records keyed by two-letter names. The prompt names the first key;
-each record says where the chain goes next, among noise; the last one holds a value, which is the
-answer:
+each record says where the chain goes next (decoy records, off the chain, point back into it); the
+last one holds a value, which is the answer:
 
   Q: Follow the chain from KQ; answer its value.
-  read(KQ) -> "KQ: log 4817 ok; next TB"
-  read(TB) -> "TB: log 0392 ok; next MW"
-  read(MW) -> "MW: log 7720 ok; value 615"      answer: 615
+  read(KQ) -> "KQ: ok; next TB"
+  read(TB) -> "TB: ok; next MW"
+  read(MW) -> "MW: ok; value 615"      answer: 615
 
 Difficulty = number of reads (hops). Every turn adds a call and its result to the transcript, so
 with `rollout.max_context` fixed, the difficulty sets how far the whole episode exceeds the
@@ -46,9 +46,9 @@ def build_log(seed: int, hops: int) -> tuple[list[str], dict[str, str]]:
     log = {}
     for i, key in enumerate(chain):
         tail = f"next {chain[i + 1]}" if i + 1 < hops else f"value {rng.randint(100, 999)}"
-        log[key] = f"{key}: log {rng.randint(0, 9999):04d} ok; {tail}"
+        log[key] = f"{key}: ok; {tail}"
     for key in decoys:
-        log[key] = f"{key}: log {rng.randint(0, 9999):04d} ok; next {rng.choice(chain)}"
+        log[key] = f"{key}: ok; next {rng.choice(chain)}"
     return chain, log
 
 

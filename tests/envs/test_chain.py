@@ -8,7 +8,7 @@ from jaxrl_agent import tokenizer as tok
 from jaxrl_agent.rollout import context
 from tests.rollout.test_rollout import TOKENIZER
 
-MAX_CONTEXT = 192  # configs/chain_tiny.py
+MAX_CONTEXT = 160  # configs/chain_tiny.py
 
 
 def _demo(task, strategy):
