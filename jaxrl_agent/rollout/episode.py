@@ -186,8 +186,8 @@ def context_after_result(settings: context_lib.ContextSettings, template, messag
     continuation, restart = next_context(template, messages, tokens, segment_start, tokenizer, role=role,
                                          content=result, close_assistant=close_assistant, rerender=rerender)
     next_tokens = (0 if restart else len(tokens) - segment_start) + len(continuation)
-    if max_context <= 0 or settings.strategy == "none":
-        return messages, continuation, restart, ""
+    if max_context <= 0 or settings.strategy == "none" or (settings.max_edits and edits >= settings.max_edits):
+        return messages, continuation, restart, ""  # no edit can come: summarize's request is not rendered
     if settings.strategy == "summarize":
         content = context_lib.with_summary_request(settings, result)
         requested = [*messages[:-1], {"role": role, "content": content}]
