@@ -169,6 +169,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.context_note = "(Earlier turns removed.)"  # The message that stands for removed turns.
     config.rollout.context_summary_request = "Summarize the context."  # summarize: asked after the result.
     config.rollout.context_summary_prefix = "Summary: "  # summarize: before the summary in the next context.
+    # summarize: the policy edits when it calls the `context` tool ({"summary": ...}, advertised with
+    # the environment's tools, never sent to it) instead of when the trigger asks; demonstrations call it there.
+    config.rollout.context_tool = False
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"

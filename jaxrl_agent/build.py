@@ -63,7 +63,7 @@ def context_settings(config):
     return context_lib.ContextSettings(strategy=c.context, keep_turns=c.context_keep_turns, trigger=c.context_trigger,
                                        max_edits=c.context_max_edits, note=c.context_note,
                                        summary_request=c.context_summary_request,
-                                       summary_prefix=c.context_summary_prefix)
+                                       summary_prefix=c.context_summary_prefix, tool=c.context_tool)
 
 
 def template_history(config, template) -> tuple[dict, str | None]:

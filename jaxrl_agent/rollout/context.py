@@ -20,6 +20,14 @@ Strategies (`rollout.context`), after GLM-5's hierarchical context strategies:
     in the turn records (`"summary": True`, `"token_span": [start, end]`) so that the learner can
     weight their tokens separately (`learner.summary_weight`, after FoldAct).
 
+With `tool` (summarize only) the policy itself decides when: it calls the `context` tool,
+`{"name": "context", "arguments": {"summary": ...}}`, advertised with the environment's tools, and
+the episode goes on from the head plus `summary_prefix` + that summary, as a new learner sequence;
+the call is the policy's action (a turn, trained, marked as a summary for `learner.summary_weight`)
+and never reaches the environment. The trigger then no longer asks: an episode whose policy never
+calls the tool ends at `max_context`. A scripted expert demonstrates the call where the trigger
+would fire (MiniMax Forge's context management as an action).
+
 `max_edits` > 0 caps the edits per episode (after that the strategy no longer fires and an episode
 that reaches `max_context` ends): training can allow fewer edits than deployment (test-time
 scaling of the context).
@@ -28,12 +36,21 @@ scaling of the context).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Mapping, Sequence
+
+from jaxrl_agent.envs import api as env_api
+from jaxrl_agent.envs import tool_protocol as tp
 
 CONTEXT_STRATEGIES = ("none", "keep_recent", "discard_all", "summarize")
 DEFAULT_NOTE = "(Earlier turns removed.)"
 DEFAULT_SUMMARY_REQUEST = "Summarize the context."
 DEFAULT_SUMMARY_PREFIX = "Summary: "
+CONTEXT_TOOL = tp.ToolSpec(
+    name="context",
+    description="Replace the conversation after the task with your summary of it; write what you still need.",
+    parameters={"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"],
+                "additionalProperties": False})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +59,8 @@ class ContextSettings:
     share of max_context the next context may reach before it is edited. note: the user message
     that stands for what was removed. max_edits: edits per episode at most (0 = no limit).
     summary_request / summary_prefix: summarize's request after the tool result, and the text
-    before the summary in the edited conversation."""
+    before the summary in the edited conversation. tool: summarize only — the policy asks for the
+    edit itself by calling the `context` tool (CONTEXT_TOOL) instead of the trigger asking it."""
 
     strategy: str = "none"
     keep_turns: int = 2
@@ -51,6 +69,7 @@ class ContextSettings:
     max_edits: int = 0
     summary_request: str = DEFAULT_SUMMARY_REQUEST
     summary_prefix: str = DEFAULT_SUMMARY_PREFIX
+    tool: bool = False
 
     def __post_init__(self):
         if self.strategy not in CONTEXT_STRATEGIES:
@@ -61,6 +80,43 @@ class ContextSettings:
             raise ValueError(f"rollout.context_trigger={self.trigger}: expected in (0, 1]")
         if self.max_edits < 0:
             raise ValueError(f"rollout.context_max_edits={self.max_edits}: expected >= 0 (0 = no limit)")
+        if self.tool and self.strategy != "summarize":
+            raise ValueError(f"rollout.context_tool=True with rollout.context={self.strategy!r}: the context tool "
+                             "writes a summary, so it needs rollout.context='summarize'")
+
+
+def advertised(settings: ContextSettings, first: env_api.Observation) -> env_api.Observation:
+    """An episode's first observation with the `context` tool among its tools (settings.tool): in
+    the tool list a model format renders, and in the environment's system prompt."""
+    if not settings.tool:
+        return first
+    spec = CONTEXT_TOOL.to_dict()
+    system = first.system
+    if system:
+        system = f"{system}\nAlso: {json.dumps(spec, separators=(',', ':'))} (handled by the runner)."
+    return dataclasses.replace(first, system=system, tools=(*(first.tools or ()), spec))
+
+
+def context_call(settings: ContextSettings, action: str) -> str | tp.ToolCallError | None:
+    """A reply's call of the `context` tool (settings.tool): its summary, the error of a malformed
+    call of it, or None when the reply is for the environment (it calls no `context` tool, or it
+    also calls other tools or answers: the environment sees it and records the unknown tool)."""
+    if not settings.tool:
+        return None
+    parsed = tp.parse_tool_calls(action)  # names only: the arguments are checked below
+    if parsed.errors or parsed.answer is not None or len(parsed.calls) != 1 or \
+            parsed.calls[0].name != CONTEXT_TOOL.name:
+        return None
+    arguments = parsed.calls[0].arguments
+    problem = tp.validate_arguments(arguments, CONTEXT_TOOL.parameters)
+    if problem:
+        return tp.ToolCallError(action, f"bad arguments for {CONTEXT_TOOL.name}: {problem}")
+    return str(arguments["summary"])
+
+
+def context_call_action(summary: str) -> str:
+    """The protocol action that calls the `context` tool with `summary` (a scripted expert's)."""
+    return tp.format_tool_call(tp.ToolCall(CONTEXT_TOOL.name, {"summary": summary}))
 
 
 def head_length(messages: Sequence[Mapping[str, Any]]) -> int:

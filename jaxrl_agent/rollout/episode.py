@@ -21,12 +21,13 @@ import asyncio
 import dataclasses
 import hashlib
 import time
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
 from jaxrl_agent import tool_formats
 from jaxrl_agent.envs import api as env_api
+from jaxrl_agent.envs import tool_protocol
 from jaxrl_agent.replay.trajectory import PartialRollout, Trajectory
 from jaxrl_agent.rollout import context as context_lib
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
@@ -178,8 +179,10 @@ def context_after_result(settings: context_lib.ContextSettings, template, messag
 
     messages: the conversation so far, ending with that result. The edit is '' (the result is
     appended: `next_context`), 'summary_request' (summarize's trigger fired: the result carries the
-    request and the next turn is the policy's summary) or 'edited' (keep_recent / discard_all:
-    the edited conversation, re-rendered, as a new sequence). `max_context` <= 0 never edits.
+    request and the next turn is the policy's summary), 'summary_due' (summarize with the `context`
+    tool: the trigger would fire; the result is appended, and a scripted expert calls the tool next,
+    while a sampled policy decides for itself) or 'edited' (keep_recent / discard_all: the edited
+    conversation, re-rendered, as a new sequence). `max_context` <= 0 never edits.
     For summarize the trigger counts the request too, so that `(1 - trigger) × max_context` is the
     room left for the summary."""
     role, result = messages[-1]["role"], messages[-1]["content"]
@@ -188,6 +191,9 @@ def context_after_result(settings: context_lib.ContextSettings, template, messag
     next_tokens = (0 if restart else len(tokens) - segment_start) + len(continuation)
     if max_context <= 0 or settings.strategy == "none" or (settings.max_edits and edits >= settings.max_edits):
         return messages, continuation, restart, ""  # no edit can come: summarize's request is not rendered
+    if settings.strategy == "summarize" and settings.tool:  # the policy asks itself (the `context` tool)
+        due = context_lib.should_edit(settings, next_tokens, max_context, edits)
+        return messages, continuation, restart, "summary_due" if due else ""
     if settings.strategy == "summarize":
         content = context_lib.with_summary_request(settings, result)
         requested = [*messages[:-1], {"role": role, "content": content}]
@@ -204,6 +210,12 @@ def context_after_result(settings: context_lib.ContextSettings, template, messag
     if edited == messages:  # nothing to drop
         return messages, continuation, restart, ""
     return edited, template.render(edited, tokenizer, add_generation_prompt=True).ids.tolist(), True, "edited"
+
+
+def _acted(turn: Mapping[str, Any]) -> bool:
+    """Whether a turn record counts towards `max_turns`: every turn of the policy's choosing (a
+    `context` tool call too), not summarize's requested summary."""
+    return not turn.get("summary") or bool(turn.get("context_call"))
 
 
 def _still_thinking(text: str) -> bool | None:
@@ -334,7 +346,9 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         await env.close()
         return ended_early("env_reset_error", repr(err))
     fmt = tool_formats.get(settings.tool_format)
-    messages, template = first_messages(first, template, fmt, include_system_prompt=settings.include_system_prompt)
+    ctx = settings.context
+    messages, template = first_messages(context_lib.advertised(ctx, first), template, fmt,
+                                        include_system_prompt=settings.include_system_prompt)
     if resume is None:
         st = _Progress([], [], [], [], messages)
         st.add(template.render(messages, tokenizer, add_generation_prompt=True).ids)
@@ -348,7 +362,6 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     end_ids = template.end_ids(tokenizer)
     think_budget = settings.max_think_tokens
     close_think = tokenizer.encode(f"\n{tool_formats.THINK_CLOSE}\n\n") if think_budget > 0 else []
-    ctx = settings.context
 
     async def sample_turn() -> tuple[list[int], bool, str]:
         """Samples the current turn to its end (possibly over several sampler calls): (its ids,
@@ -396,7 +409,7 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
 
     reward, components, finish_reason, success = 0.0, {}, "max_turns", False
     continuing = resume is not None  # the first turn is the one the partial rollout was suspended in
-    while sum(not t.get("summary") for t in st.turns) < settings.max_turns:
+    while sum(_acted(t) for t in st.turns) < settings.max_turns:
         if not continuing:
             st.turn_start, st.turn_calls, st.turn_closed_think = len(st.tokens), 0, 0
         continuing = False
@@ -420,6 +433,26 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
             st.messages = context_lib.after_summary(ctx, st.messages, tool_formats.strip_reasoning(text).strip())
             continuation = template.render(st.messages, tokenizer, add_generation_prompt=True).ids.tolist()
             restart, next_tokens = True, len(continuation)
+        elif (call := context_lib.context_call(ctx, fmt.to_env(text))) is not None:
+            edits = sum("context_edit" in t for t in st.turns)
+            if isinstance(call, str) and not (ctx.max_edits and edits >= ctx.max_edits):
+                # The policy's own edit (the `context` tool): its call is its summary, and the
+                # episode goes on from the head and it; the environment never sees the call.
+                st.turns.append({**record, "summary": True, "context_call": True,
+                                 "token_span": [st.turn_start, len(st.tokens)], "context_edit": ctx.strategy})
+                st.messages = context_lib.after_summary(ctx, st.messages, call)
+                continuation = template.render(st.messages, tokenizer, add_generation_prompt=True).ids.tolist()
+                restart, next_tokens = True, len(continuation)
+            else:  # a malformed call, or no edits left: the tool's result says so, and the episode goes on
+                error = call.message if not isinstance(call, str) else (
+                    f"no context edits left (at most {ctx.max_edits} per episode)")
+                st.turns.append({**record, "context_call_error": error})
+                messages = [*st.messages, {"role": "assistant", "token_ids": ids},
+                            {"role": "tool", "content": fmt.result(tool_protocol.format_tool_result(f"error: {error}"))}]
+                st.messages, continuation, restart, _ = context_after_result(
+                    ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
+                    rerender=rerender, max_context=settings.max_context, edits=edits)
+                next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
         else:
             action = fmt.to_env(text)
             step = await env.step(action)
@@ -469,7 +502,7 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
     summary is `expert.summarize(task, observations, actions)` where the expert has one, else the
     latest observation (`context.default_summary`)."""
     fmt = tool_formats.get(tool_format)
-    first = env.reset(task, seed)
+    first = context_lib.advertised(context, env.reset(task, seed))
     messages, template = first_messages(first, template, fmt, include_system_prompt=include_system_prompt)
     tokens = list(template.render(messages, tokenizer, add_generation_prompt=True).ids)
     mask = [0] * len(tokens)
@@ -492,7 +525,9 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
         messages, continuation, restart, edit = context_after_result(
             context, template, messages, tokens, segment, tokenizer, close_assistant=False, rerender=rerender,
             max_context=max_context, edits=edits)
-        if edit == "summary_request":  # as run_episode: the request, the expert's summary, then the head
+        if edit in ("summary_request", "summary_due"):
+            # As run_episode: the request and the expert's summary, or the expert's call of the
+            # `context` tool with it; then the head and the summary.
             if restart:
                 segment = len(tokens)
                 starts.append(segment)
@@ -501,9 +536,10 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
             summarize = getattr(expert, "summarize", None)
             summary = summarize(task, observations, actions) if summarize else context_lib.default_summary(
                 observations)
-            ids = tokenizer.encode(summary) + template.end_ids(tokenizer)
+            text = fmt.from_env(context_lib.context_call_action(summary)) if edit == "summary_due" else summary
+            ids = tokenizer.encode(text) + template.end_ids(tokenizer)
             turns.append({"sampled_tokens": len(ids), "summary": True, "token_span": [len(tokens), len(tokens) + len(ids)],
-                          "context_edit": context.strategy})
+                          "context_edit": context.strategy, **({"context_call": True} if edit == "summary_due" else {})})
             tokens += ids
             mask += [1] * len(ids)
             messages = context_lib.after_summary(context, messages, summary)

@@ -112,6 +112,11 @@ def test_the_config_reaches_the_episodes_and_a_bad_strategy_is_refused(tmp_path)
     config = tiny_config(tmp_path)
     config.rollout.context, config.rollout.context_keep_turns = "keep_recent", 3
     assert build.episode_settings(config, 1.0).context == context.ContextSettings("keep_recent", keep_turns=3)
+    config.rollout.context_tool = True
+    with pytest.raises(build.ConfigError, match="context_tool=True with rollout.context='keep_recent'"):
+        build.validate_config(config)
+    config.rollout.context = "summarize"
+    assert build.episode_settings(config, 1.0).context == context.ContextSettings("summarize", keep_turns=3, tool=True)
     config.rollout.context = "fold"
     with pytest.raises(build.ConfigError, match="rollout.context='fold': expected one of"):
         build.validate_config(config)
@@ -269,3 +274,120 @@ def test_summarize_counts_its_request_in_the_trigger():
     keep = context.ContextSettings("keep_recent", trigger=0.5, keep_turns=0)
     assert episode.context_after_result(keep, tok.CHATML, messages, tokens, 0, TOKENIZER, close_assistant=False,
                                         rerender=False, max_context=2 * plain, edits=0)[3] == ""
+
+
+class ContextToolSampler(ToolLoopSampler):
+    """ToolLoopSampler that calls the `context` tool itself once its context passes `at` tokens:
+    with `summary` (a str), with bad arguments (None), or again and again (`always`)."""
+
+    def __init__(self, at, summary="expr", always=False):
+        super().__init__()
+        self.at, self.summary, self.always = at, summary, always
+
+    async def generate(self, prompt_ids, sampling):
+        if len(prompt_ids) > self.at or self.always:
+            self.prompts.append(list(prompt_ids))
+            arguments = {"summary": self.summary} if self.summary is not None else {"note": 1}
+            ids = TOKENIZER.encode(envs.format_tool_call(envs.ToolCall("context", arguments))) + [END]
+            return Completion(tuple(ids), tuple(-0.25 for _ in ids), tuple(7 for _ in ids), "stop")
+        return await super().generate(prompt_ids, sampling)
+
+
+class CountingEnv(rollout.InProcessEnv):
+    def __init__(self, env):
+        super().__init__(env)
+        self.actions = []
+
+    async def step(self, action):
+        self.actions.append(action)
+        return await super().step(action)
+
+
+def _tool_episode(sampler, max_edits=0, max_turns=8):
+    env = envs.make("calculator")
+    task = env.sample_task(3, 1)
+    settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=100), max_context=1000,
+                                       max_turns=max_turns, include_system_prompt=True,
+                                       context=context.ContextSettings("summarize", trigger=0.5, max_edits=max_edits,
+                                                                       tool=True))
+    counting = CountingEnv(env)
+    t = asyncio.run(rollout.run_episode(sampler, counting, task, TOKENIZER, tok.CHATML, settings))
+    return t, counting.actions
+
+
+def test_the_policy_edits_its_context_by_calling_the_context_tool():
+    sampler = ContextToolSampler(at=650)  # the system prompt makes the task ~600 tokens: two tool turns, then the call
+    t, actions = _tool_episode(sampler)
+    calls = [turn for turn in t.turns if turn.get("context_call")]
+    assert calls and all(turn["summary"] and turn["context_edit"] == "summarize" for turn in calls)
+    assert len(t.segment_starts) == len(calls) and t.finish_reason == "max_turns"
+    assert not any("context" in a for a in actions)  # the environment never sees the call
+    assert len(actions) + len(calls) == len(t.turns) and len(actions) == 4  # the calculator allows 4 tool turns
+    first = TOKENIZER.decode(sampler.prompts[0])
+    assert '"name":"context"' in first  # advertised in the system prompt
+    prompts = iter(sampler.prompts)
+    for (a, b), (start, end) in zip(t.segments, t.summary_spans + [(None, None)]):
+        sequence = t.tokens[a:b].tolist()
+        for s in np.flatnonzero(np.diff(np.r_[0, t.loss_mask[a:b]]) == 1):
+            assert next(prompts) == sequence[:s]
+        if start is not None:  # the call is the sequence's last turn, trained, and marked as the summary
+            assert end == b and t.loss_mask[start:end].all()
+            assert TOKENIZER.decode(t.tokens[start:end].tolist()).startswith('<tool_call>{"name":"context"')
+        if a > 0:
+            text = TOKENIZER.decode(sequence)
+            assert f"{context.DEFAULT_SUMMARY_PREFIX}expr" in text
+            assert text.count("<tool_result>") - first.count("<tool_result>") <= 1  # the system prompt names it
+    assert next(prompts, None) is None
+    # No summary request is ever appended: the policy decides.
+    assert context.DEFAULT_SUMMARY_REQUEST not in TOKENIZER.decode(t.tokens.tolist())
+
+
+def test_a_bad_or_spent_context_call_gets_an_error_result_and_an_endless_one_is_bounded():
+    t, actions = _tool_episode(ContextToolSampler(at=0, summary=None), max_turns=3)
+    assert [turn.get("context_call_error", "") for turn in t.turns] == ["bad arguments for context: missing "
+                                                                        "required argument 'summary'"] * 3
+    assert actions == [] and t.segment_starts == () and t.finish_reason == "max_turns"
+    assert TOKENIZER.decode(t.tokens.tolist()).count("<tool_result>error: bad arguments for context") == 3
+    t, actions = _tool_episode(ContextToolSampler(at=0, always=True), max_edits=2, max_turns=5)
+    assert sum(bool(turn.get("context_call")) for turn in t.turns) == 2 and len(t.segment_starts) == 2
+    assert [turn.get("context_call_error") for turn in t.turns[2:]] == [
+        "no context edits left (at most 2 per episode)"] * 3 and actions == []
+    t, _ = _tool_episode(ContextToolSampler(at=0, always=True), max_turns=4)  # no cap: max_turns still ends it
+    assert t.finish_reason == "max_turns" and len(t.turns) == 4
+
+
+def test_without_the_tool_a_context_call_goes_to_the_environment():
+    settings = context.ContextSettings("summarize")
+    assert context.context_call(settings, context.context_call_action("x")) is None
+    tool = context.ContextSettings("summarize", tool=True)
+    assert context.context_call(tool, context.context_call_action("a <b> c")) == "a <b> c"
+    mixed = context.context_call_action("x") + envs.format_tool_call(envs.ToolCall("calc", {"expr": "1"}))
+    assert context.context_call(tool, mixed) is None  # the environment answers each call
+    assert context.context_call(tool, context.context_call_action("x") + "<answer>2</answer>") is None
+    with pytest.raises(ValueError, match="context_tool=True with rollout.context='keep_recent'"):
+        context.ContextSettings("keep_recent", tool=True)
+    first = envs.make("calculator").reset(envs.make("calculator").sample_task(0, 1))
+    shown = context.advertised(tool, first)
+    assert shown.tools[-1]["name"] == "context" and len(shown.tools) == len(first.tools) + 1
+    assert first.system in shown.system and '"name":"context"' in shown.system
+    assert context.advertised(settings, first) == first
+    # A model's own tool format renders it among the tools, and reads its own form of the call.
+    qwen = tool_formats.get("qwen3")
+    assert qwen.schemas(shown.tools)[-1]["function"]["name"] == "context"
+    assert context.context_call(tool, qwen.to_env(qwen.from_env(context.context_call_action("s")))) == "s"
+
+
+def test_demonstrations_call_the_context_tool_where_the_trigger_would_fire():
+    env = envs.make("calculator")
+    task = env.sample_task(3, 1)
+    expert = envs.expert_policy("calculator")
+    settings = context.ContextSettings("summarize", trigger=0.6, tool=True)
+    t = rollout.expert_trajectory(env, task, expert, TOKENIZER, tok.CHATML, context=settings, max_context=80)
+    calls = [turn for turn in t.turns if turn.get("context_call")]
+    assert calls and len(t.segment_starts) == len(calls) and t.reward == 1.0
+    (start, end), b = t.summary_spans[0], t.segments[1][0]
+    assert end == b and t.loss_mask[start:end].all()
+    call = TOKENIZER.decode(t.tokens[start:end].tolist())
+    assert context.context_call(settings, call.replace("<|im_end|>", "")) is not None
+    assert context.DEFAULT_SUMMARY_REQUEST not in TOKENIZER.decode(t.tokens.tolist())
+    assert context.DEFAULT_SUMMARY_PREFIX in TOKENIZER.decode(t.tokens[b:].tolist())
