@@ -162,3 +162,27 @@ def test_launch_agent_runs_a_checkpoint_and_prints_transcripts(tmp_path):
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "config.json" in missing.stderr
     json.loads((workdir / "config.json").read_text())  # the workdir is left as it was
+
+
+def test_a_summarize_run_edits_its_episodes_and_weights_its_summaries(tmp_path, monkeypatch):
+    """The launcher's path with rollout.context=summarize and learner.summary_weight: the RL
+    episodes are summarized (the run's context metrics say so), and every packed batch of the
+    learner weights the summaries by the config's weight."""
+    from jaxrl_agent import replay, trainer
+
+    config = chain_config(tmp_path, "summarize")
+    config.learner.summary_weight = 2.5
+    config.sft.steps, config.rl.iterations, config.eval.every = 0, 2, 0
+    config.env.eval_difficulties, config.eval.tasks_per_difficulty, config.eval.pass_k = "3", 1, 1
+    weights, pack = [], replay.pack
+
+    def recording_pack(trajectories, row_length, **kwargs):
+        weights.append(kwargs.get("summary_weight", 1.0))
+        return pack(trajectories, row_length, **kwargs)
+
+    monkeypatch.setattr(replay, "pack", recording_pack)
+    records = [json.loads(line) for line in open(trainer.train_and_evaluate(config, quiet=True))]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert len(rl) == 2 and weights and set(weights) == {2.5}
+    assert any(r["context/edits_per_episode"] > 0 and r["context/summary_token_share"] > 0 for r in rl)
+    assert all(r["context/longest_sequence_max"] <= MAX_CONTEXT for r in rl)
