@@ -18,6 +18,7 @@ from jaxrl_agent.losses.objective import (
     TIS,
     CustomTerm,
     Decoupled,
+    DistillTerm,
     EntropyTerm,
     IcePop,
     KLTerm,
@@ -39,10 +40,10 @@ from jaxrl_agent.losses.policy import (
     token_clip_keep_mask,
 )
 from jaxrl_agent.losses.reductions import masked_sequence_mean, masked_sequence_sum_norm, masked_token_mean
-from jaxrl_agent.losses.regularizers import entropy_from_logits, kl_penalty
+from jaxrl_agent.losses.regularizers import distillation_loss, entropy_from_logits, kl_penalty
 
 __all__ = [
-    "CustomTerm", "Decoupled", "EntropyTerm", "IcePop", "KLTerm", "LossInputs", "Objective", "ObjectiveSpec", "POLICY_LOSSES",
+    "CustomTerm", "Decoupled", "DistillTerm", "distillation_loss", "EntropyTerm", "IcePop", "KLTerm", "LossInputs", "Objective", "ObjectiveSpec", "POLICY_LOSSES",
     "PolicyTerm", "TIS", "cispo_loss", "decoupled_ppo_loss", "default_objective_spec", "drift_metrics",
     "entropy_from_logits", "group_advantages", "gspo_loss", "icepop_mask", "kl_penalty", "make_objective", "objective_from_loss",
     "masked_sequence_mean", "masked_sequence_sum_norm", "masked_token_mean", "mirror_descent_loss",

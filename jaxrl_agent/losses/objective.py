@@ -47,6 +47,7 @@ class LossInputs(NamedTuple):
       sampler_logprobs: what the sampler reported; None = same as old_logprobs.
       ref_logprobs: frozen reference policy, for KL terms; None if unused.
       entropy: per-token entropy of the current policy (differentiable), for entropy terms.
+      teacher_logprobs: frozen teacher policy (a previous stage's), for distillation terms.
     """
 
     mask: jax.Array
@@ -55,6 +56,7 @@ class LossInputs(NamedTuple):
     sampler_logprobs: jax.Array | None = None
     ref_logprobs: jax.Array | None = None
     entropy: jax.Array | None = None
+    teacher_logprobs: jax.Array | None = None
 
 
 def _field(batch, name: str):
@@ -172,6 +174,28 @@ class KLTerm:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillTerm:
+    """coef * reduction(on-policy distillation against batch.teacher_logprobs) over all generated
+    tokens: the reverse KL to a frozen teacher on the student's own samples
+    (`regularizers.distillation_loss`; cross-stage distillation, GLM-4.5 / GLM-5)."""
+
+    coef: float = 0.1
+    reduction: str = "token_mean"
+    max_len: int | None = None
+
+    def __call__(self, logprobs, batch, mask, weights):
+        del mask, weights  # like the KL anchor: every generated token, corrected or not
+        teacher = _optional(batch, "teacher_logprobs")
+        if teacher is None:
+            raise ValueError("a distillation term needs batch.teacher_logprobs (a teacher policy)")
+        full_mask = _field(batch, "mask")
+        values, metrics = regularizers.distillation_loss(logprobs, teacher, full_mask)
+        value = self.coef * _reduce(values, full_mask, self.reduction, self.max_len)
+        metrics["distill/loss"] = value
+        return value, metrics
+
+
+@dataclasses.dataclass(frozen=True)
 class EntropyTerm:
     """-coef * masked mean entropy (an exploration bonus when coef > 0)."""
 
@@ -275,11 +299,13 @@ class Objective:
     """`objective(logprobs [B, T], batch) -> (scalar loss, metrics)`, pure, plus what the learner
     must compute for it: `needs_reference` — `batch.ref_logprobs` from the frozen reference policy
     (a second forward pass, skipped otherwise); `needs_proximal` — `batch.old_logprobs` recomputed
-    with the iteration's starting parameters (otherwise they are the sampler's)."""
+    with the iteration's starting parameters (otherwise they are the sampler's); `needs_teacher` —
+    `batch.teacher_logprobs` from the frozen teacher (a previous stage's final policy)."""
 
     fn: Callable[[jax.Array, Any], tuple[jax.Array, Metrics]]
     needs_reference: bool = False
     needs_proximal: bool = False
+    needs_teacher: bool = False
     name: str = "objective"
 
     def __call__(self, logprobs: jax.Array, batch) -> tuple[jax.Array, Metrics]:
@@ -334,7 +360,8 @@ def make_objective(spec: ObjectiveSpec | Sequence[Term], *, name: str = "objecti
         return total, metrics
 
     return Objective(objective, needs_reference=any(isinstance(t, KLTerm) for t in spec.terms),
-                     needs_proximal=any(isinstance(c, Decoupled) for c in spec.corrections), name=name)
+                     needs_proximal=any(isinstance(c, Decoupled) for c in spec.corrections),
+                     needs_teacher=any(isinstance(t, DistillTerm) for t in spec.terms), name=name)
 
 
 def objective_from_loss(loss_fn: Callable[..., tuple[jax.Array, Metrics]], cfg: Any = None, *,

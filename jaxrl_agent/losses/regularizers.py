@@ -1,4 +1,4 @@
-"""KL penalties against a reference policy and entropy."""
+"""KL penalties against a reference policy, on-policy distillation from a teacher, and entropy."""
 
 from __future__ import annotations
 
@@ -42,6 +42,34 @@ def kl_penalty(
         raise ValueError(f"estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
     values = values * as_float_mask(mask)
     return values, {f"kl_{estimator}/mean": masked_mean(values, mask)}
+
+
+def distillation_loss(logprobs: jax.Array, teacher_logprobs: jax.Array, mask: jax.Array
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """On-policy distillation: the reverse KL(pi_student || pi_teacher) on the student's own
+    sampled tokens y_t ~ pi_student (GKD, Agarwal et al. 2024, arXiv 2306.13649; the cross-stage
+    distillation of GLM-4.5, arXiv 2508.06471).
+
+    With x = log pi_student(y_t) - log pi_teacher(y_t) (clamped to +-20), the per-token surrogate
+    has the value of k3 = exp(-x) - 1 + x (unbiased for the KL, >= 0, 0 iff the two agree on the
+    token; clamped to [-10, 10]) and the gradient of the reverse KL's policy gradient,
+    sg(x) * grad log pi_student(y_t), i.e. the per-token reward -x of on-policy distillation:
+
+        surrogate_t = sg(k3_t) + sg(x_t) * (log pi_student(y_t) - sg(log pi_student(y_t)))
+
+    Args:
+      logprobs: [B, T] the student's (differentiable). teacher_logprobs: [B, T] the frozen
+        teacher's. mask: [B, T] 1 on the student's sampled tokens.
+
+    Returns:
+      ([B, T] per-token surrogate, 0 where masked; metrics 'distill/kl_k3' and 'distill/kl_k1'
+      (the masked means of k3 and of x)).
+    """
+    lp, teacher = token_arrays(mask, logprobs, teacher_logprobs)
+    x = jax.lax.stop_gradient(clamped_log_ratio(lp, teacher))
+    k3 = jnp.clip(jnp.exp(-x) - 1.0 + x, -K3_CLAMP, K3_CLAMP)
+    values = (k3 + x * (lp - jax.lax.stop_gradient(lp))) * as_float_mask(mask)
+    return values, {"distill/kl_k3": masked_mean(k3, mask), "distill/kl_k1": masked_mean(x, mask)}
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:

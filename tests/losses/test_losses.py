@@ -426,3 +426,42 @@ def test_objective_from_a_pure_loss_passes_the_design_signature():
     np.testing.assert_allclose(loss, 2.0 * L.masked_token_mean(-adv * lp, mask), rtol=1e-6)
     assert float(metrics["mine/extra"]) == mask.sum() and "drift/sampler_abs_diff_mean" in metrics
     assert seen["cfg"] == {"scale": 2.0} and seen["ref"] is None and not objective.needs_reference
+
+
+def test_distillation_is_zero_when_student_equals_teacher_and_positive_otherwise():
+    rng = np.random.RandomState(3)
+    student = jnp.asarray(-rng.uniform(0.1, 3.0, (3, 5)), jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(3, 5)) < 0.7, jnp.int32).at[0, 0].set(1)
+    values, metrics = L.distillation_loss(student, student, mask)
+    assert float(jnp.abs(values).max()) == 0.0 and float(metrics["distill/kl_k3"]) == 0.0
+    grad = jax.grad(lambda lp: L.masked_token_mean(L.distillation_loss(lp, student, mask)[0], mask))(student)
+    assert float(jnp.abs(grad).max()) == 0.0  # at the teacher, nothing to learn
+    teacher = student + jnp.asarray(rng.normal(0, 0.5, (3, 5)), jnp.float32)
+    values, metrics = L.distillation_loss(student, teacher, mask)
+    x = np.asarray(student - teacher)
+    k3 = np.exp(-x) - 1 + x
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(values), k3 * m, rtol=1e-5, atol=1e-7)  # golden: k3 per token
+    assert float(metrics["distill/kl_k3"]) > 0 and np.all(np.asarray(values)[m == 1] > 0)
+    np.testing.assert_allclose(float(metrics["distill/kl_k1"]), (x * m).sum() / m.sum(), rtol=1e-5)
+    # The gradient is the reverse KL's policy gradient: (log pi_s - log pi_t) per sampled token.
+    grad = jax.grad(lambda lp: L.masked_token_mean(L.distillation_loss(lp, teacher, mask)[0], mask))(student)
+    np.testing.assert_allclose(np.asarray(grad), x * m / m.sum(), rtol=1e-5, atol=1e-7)
+    # Masked tokens never change it.
+    moved = teacher.at[mask == 0].add(5.0)
+    np.testing.assert_allclose(np.asarray(L.distillation_loss(student, moved, mask)[0]), np.asarray(values), atol=1e-7)
+
+
+def test_distill_term_is_its_own_loss_term_and_needs_a_teacher():
+    objective = L.make_objective([L.PolicyTerm("reinforce"), L.DistillTerm(coef=0.5)])
+    assert objective.needs_teacher and not objective.needs_reference
+    assert not L.make_objective([L.PolicyTerm("reinforce")]).needs_teacher
+    m = jnp.ones((2, 3), jnp.int32)
+    lp = jnp.full((2, 3), -1.0)
+    inputs = L.LossInputs(mask=m, advantages=jnp.zeros(2), old_logprobs=lp, teacher_logprobs=lp - 0.3)
+    loss, metrics = objective(lp, inputs)
+    k3 = math.exp(-0.3) - 1 + 0.3
+    np.testing.assert_allclose(float(metrics["distill/loss"]), 0.5 * k3, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), 0.5 * k3, rtol=1e-5)  # zero advantages: the policy term is 0
+    with pytest.raises(ValueError, match="needs batch.teacher_logprobs"):
+        objective(lp, inputs._replace(teacher_logprobs=None))
