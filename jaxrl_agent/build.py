@@ -896,28 +896,28 @@ class Environments:
 
 
 def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.Mesh, params, *, sft: bool = False,
-                  objective=None, ref_params=None):
+                  objective=None, ref_params=None, teacher_params=None):
     """(train state, jitted train step) for SFT (`config.sft`) or RL (`config.rl`, with `objective`
-    and the frozen `ref_params` when it needs them)."""
+    and the frozen `ref_params` / `teacher_params` when it needs them)."""
     from jaxrl_agent import learner
 
     c = config.sft if sft else config.rl
     total = c.steps if sft else c.iterations * c.minibatches
     optimizer = learner.make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps, total_steps=total,
                                        grad_clip_norm=config.learner.grad_clip_norm)
-    def make_state(params, ref_params):
+    def make_state(params, ref_params, teacher_params):
         return learner.init_state(params, optimizer, ref_params=ref_params, seed=config.seed,
-                                  master_dtype=config.learner.master_dtype or None)
+                                  master_dtype=config.learner.master_dtype or None, teacher_params=teacher_params)
 
     step_fn, shardings = learner.jit_train_step(
         learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
                                 microbatches=config.learner.microbatches,
                                 temperature=1.0 if sft else config.rollout.temperature,
                                 logits_chunk=config.learner.logits_chunk),
-        jax.eval_shape(make_state, params, ref_params), mesh)
+        jax.eval_shape(make_state, params, ref_params, teacher_params), mesh)
     # Made on the mesh, every leaf in its sharding (the optimizer's counters too): a checkpoint
     # before the first update holds global arrays, as several processes need.
-    return jax.jit(make_state, out_shardings=shardings)(params, ref_params), step_fn
+    return jax.jit(make_state, out_shardings=shardings)(params, ref_params, teacher_params), step_fn
 
 
 def build_reference(config, mesh: jax.sharding.Mesh, params):

@@ -206,13 +206,16 @@ def restore_policy(directory: str, params_target, *, keep: int, step: int | None
 
 
 def learner_arrays(state, judge_params=None) -> dict[str, Any]:
-    """The arrays a checkpoint holds: the learner state, and the frozen reference and judge
-    weights when the run has them (a resumed run must judge and regularise against the same ones)."""
+    """The arrays a checkpoint holds: the learner state, and the frozen reference, teacher and
+    judge weights when the run has them (a resumed run must judge, regularise and distil against
+    the same ones)."""
     arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
     if state.ref_params is not None:
         arrays["ref_params"] = state.ref_params
     if getattr(state, "master_params", None) is not None:
         arrays["master_params"] = state.master_params
+    if getattr(state, "teacher_params", None) is not None:
+        arrays["teacher_params"] = state.teacher_params
     if judge_params is not None:
         arrays["judge_params"] = judge_params
     return arrays
@@ -223,7 +226,8 @@ def restore_learner(checkpointer: Checkpointer, state, judge_params=None):
     restored = checkpointer.restore_state(learner_arrays(state, judge_params))
     state = state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"],
                           ref_params=restored.get("ref_params", state.ref_params),
-                          master_params=restored.get("master_params", state.master_params))
+                          master_params=restored.get("master_params", state.master_params),
+                          teacher_params=restored.get("teacher_params", state.teacher_params))
     return state, restored.get("judge_params", judge_params)
 
 

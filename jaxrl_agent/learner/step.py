@@ -62,6 +62,8 @@ class TrainState(flax.struct.PyTreeNode):
     # parameters are kept in bfloat16; `params` is then their cast, what forward passes and the
     # sampler use. None: the optimizer updates `params` directly.
     master_params: Any = None
+    # Frozen teacher policy for distillation terms (a previous stage's final policy), or None.
+    teacher_params: Any = None
 
 
 def make_optimizer(*, learning_rate: float, warmup_steps: int, total_steps: int, weight_decay: float = 0.0,
@@ -75,7 +77,7 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int, total_steps: int,
 
 
 def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=None, seed: int = 0,
-               master_dtype: str | None = None) -> TrainState:
+               master_dtype: str | None = None, teacher_params=None) -> TrainState:
     """The learner state. master_dtype (e.g. 'float32' for bfloat16 `params`): keep master weights
     and the optimizer's moments in that dtype (mixed precision: updates too small for bfloat16
     accumulate in the master copy); None = the optimizer works on `params` themselves."""
@@ -86,7 +88,8 @@ def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=No
     master = None if not master_dtype else jax.tree.map(lambda p: jnp.array(p, dtype=master_dtype, copy=True), params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params if master is None else master), ref_params=ref_params,
-                      skipped_steps=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed), master_params=master)
+                      skipped_steps=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed), master_params=master,
+                      teacher_params=teacher_params)
 
 
 def sequence_logprobs(config: models.ModelConfig, params, batch: PackedBatch, *, temperature: float = 1.0,
@@ -153,7 +156,13 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
     objective = objective or losses.make_objective(losses.default_objective_spec())
     icepop_low, icepop_high = icepop_bounds
 
-    def loss_fn(params, ref_params, micro: PackedBatch):
+    def frozen_logprobs(frozen_params, micro):
+        if frozen_params is None:
+            return None
+        logp, _ = sequence_logprobs(config, frozen_params, micro, temperature=temperature, logits_chunk=logits_chunk)
+        return jax.lax.stop_gradient(logp)
+
+    def loss_fn(params, ref_params, teacher_params, micro: PackedBatch):
         logp, entropy = sequence_logprobs(config, params, micro, temperature=temperature, with_entropy=True,
                                           logits_chunk=logits_chunk)
         mask = micro.loss_mask.astype(jnp.float32)
@@ -161,11 +170,7 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
             loss = losses.masked_token_mean(-logp, mask)
             metrics = {"loss": loss, "nll": loss}
         else:
-            ref = None
-            if ref_params is not None:
-                ref, _ = sequence_logprobs(config, ref_params, micro, temperature=temperature,
-                                           logits_chunk=logits_chunk)
-                ref = jax.lax.stop_gradient(ref)
+            ref, teacher = frozen_logprobs(ref_params, micro), frozen_logprobs(teacher_params, micro)
             bonus = None
             if micro.loss_controls is not None:
                 # IcePop (Ling Team 2025), when a response turned it on: tokens whose learner/sampler
@@ -176,7 +181,8 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
                 mask = jnp.where(icepop & outside, 0.0, mask)
                 bonus = jnp.mean(micro.loss_controls[:, CONTROL_ENTROPY_BONUS])
             inputs = losses.LossInputs(mask=mask, advantages=micro.advantages, old_logprobs=micro.old_logprobs,
-                                       sampler_logprobs=micro.sampler_logprobs, ref_logprobs=ref, entropy=entropy)
+                                       sampler_logprobs=micro.sampler_logprobs, ref_logprobs=ref, entropy=entropy,
+                                       teacher_logprobs=teacher)
             loss, metrics = objective(logp, inputs)
             if bonus is not None:
                 # The exploration response's entropy bonus: loss -= c * mean entropy of sampled tokens.
@@ -200,7 +206,7 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
 
         def accumulate(carry, micro):
             grads_sum, loss_sum = carry
-            (loss, metrics), grads = grad_fn(state.params, state.ref_params, micro)
+            (loss, metrics), grads = grad_fn(state.params, state.ref_params, state.teacher_params, micro)
             return (jax.tree.map(lambda s, g: s + g.astype(s.dtype), grads_sum, grads), loss_sum + loss), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, accumulator)
@@ -252,7 +258,8 @@ def state_shardings(state: TrainState, mesh: jax.sharding.Mesh):
     ref = None if state.ref_params is None else param_shardings
     return TrainState(step=replicated, params=param_shardings, opt_state=opt, ref_params=ref,
                       skipped_steps=replicated, rng=replicated,
-                      master_params=None if state.master_params is None else param_shardings)
+                      master_params=None if state.master_params is None else param_shardings,
+                      teacher_params=None if state.teacher_params is None else param_shardings)
 
 
 def _shape(params, name: str):

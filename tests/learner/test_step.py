@@ -317,3 +317,34 @@ def test_master_weights_never_alias_the_parameters():
     state = learner.init_state(bf16, optimizer, master_dtype="float32")
     pointers = {p.unsafe_buffer_pointer() for p in jax.tree.leaves(state.params)}
     assert not pointers & {m.unsafe_buffer_pointer() for m in jax.tree.leaves(state.master_params)}
+
+
+def test_distillation_pulls_the_student_to_its_frozen_teacher_and_the_teacher_is_checkpointed(tmp_path):
+    from jaxrl_agent import checkpoint
+
+    config = models.ModelConfig(vocab_size=TOKENIZER.vocab_size, num_layers=1, hidden_size=32,
+                                intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
+    teacher = models.init_params(config, jax.random.PRNGKey(0))
+    student = jax.tree.map(lambda p, n: p + 3.0 * n, teacher, models.init_params(config, jax.random.PRNGKey(1)))
+    batch = jax.tree.map(jnp.asarray, replay.pack(_trajectories(4), 128, row_multiple=2)[0])
+    objective = losses.make_objective([losses.DistillTerm(coef=1.0)])
+    optimizer = learner.make_optimizer(learning_rate=3e-3, warmup_steps=1, total_steps=40)
+    state = learner.init_state(student, optimizer, teacher_params=teacher)
+    step = jax.jit(learner.make_train_step(config, optimizer, objective=objective))
+    kls = []
+    for _ in range(25):
+        state, metrics = step(state, batch)
+        kls.append(float(metrics["distill/kl_k3"]))
+    assert kls[0] > 1.0 and kls[-1] < 0.5 * kls[0], kls
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.teacher_params), jax.tree.leaves(teacher)))
+    # At the teacher the term is 0.
+    _, at_teacher = step(learner.init_state(teacher, optimizer, teacher_params=teacher), batch)
+    assert float(at_teacher["distill/loss"]) == 0.0
+    # A resumed run distils against the same teacher.
+    saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"), keep=1)
+    saver.save(1, checkpoint.learner_arrays(state), checkpoint.RunState("rl", 1, 1, 0.0, 0, {}, {}, []))
+    blank = learner.init_state(student, optimizer, teacher_params=jax.tree.map(jnp.zeros_like, teacher))
+    restored, _ = checkpoint.restore_learner(saver, blank)
+    saver.close()
+    for a, b in zip(jax.tree.leaves(restored.teacher_params), jax.tree.leaves(teacher)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
