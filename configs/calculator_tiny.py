@@ -304,6 +304,13 @@ def get_config() -> ml_collections.ConfigDict:
     # The reference: 'initial' (the weights RL starts from), 'sft' (the weights after SFT: the
     # same here, since RL starts after SFT) or a Hugging Face model folder.
     config.rl.reference = "initial"
+    # On-policy distillation from a frozen teacher (losses.DistillTerm: the reverse KL on the
+    # policy's own samples, its own loss term 'distill/loss'); its log-probs cost a forward pass,
+    # made only when distill_coef > 0.
+    config.rl.distill_coef = 0.0
+    # The teacher: 'initial' (the weights RL starts from: in a stage list, the previous stage's
+    # final policy) or a Hugging Face model folder.
+    config.rl.teacher = "initial"
     # Your own objective instead of the named one: 'package.module:name' naming an Objective
     # (losses.make_objective), a function of the rl section (a dict) returning one, or a pure loss
     # with the signature of docs/contracts.md (logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg)

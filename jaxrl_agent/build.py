@@ -632,6 +632,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"rl.kl_coef={rl.kl_coef}, rl.entropy_coef={rl.entropy_coef}: expected >= 0")
     need(rl.tau > 0, f"rl.tau={rl.tau}: expected > 0")
     need(rl.dual_clip == 0 or rl.dual_clip > 1, f"rl.dual_clip={rl.dual_clip}: expected 0 (off) or > 1")
+    need(rl.distill_coef >= 0, f"rl.distill_coef={rl.distill_coef}: expected >= 0 (0 = no distillation)")
+    need(rl.teacher == "initial" or os.path.isdir(rl.teacher),
+         f"rl.teacher={rl.teacher!r}: expected 'initial' or a Hugging Face model folder")
     if rl.reference not in ("initial", "sft"):
         need(os.path.isdir(rl.reference), f"rl.reference={rl.reference!r}: expected 'initial', 'sft' or a "
              "Hugging Face model folder")
@@ -795,6 +798,8 @@ def build_objective(config):
         terms.append(losses.KLTerm(rl.kl_estimator, coef=rl.kl_coef))
     if rl.entropy_coef > 0:
         terms.append(losses.EntropyTerm(coef=rl.entropy_coef))
+    if rl.distill_coef > 0:
+        terms.append(losses.DistillTerm(coef=rl.distill_coef))
     corrections = {"none": (), "tis": (losses.TIS(cap=rl.tis_cap),),
                    "icepop": (losses.IcePop(low=rl.icepop_low, high=rl.icepop_high),),
                    "decoupled": (losses.Decoupled(cap=rl.tis_cap),)}[rl.correction]
@@ -923,16 +928,26 @@ def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.M
 def build_reference(config, mesh: jax.sharding.Mesh, params):
     """The frozen reference of `rl.reference`: a copy of the weights RL starts from (`params`), or
     a Hugging Face folder whose parameters must have the policy's shapes."""
+    return _frozen_policy(config, mesh, params, "rl.reference", config.rl.reference)
+
+
+def build_teacher(config, mesh: jax.sharding.Mesh, params):
+    """The frozen distillation teacher of `rl.teacher`: a copy of the weights RL starts from
+    (`params`; in a stage list, the previous stage's final policy), or a Hugging Face folder whose
+    parameters must have the policy's shapes."""
+    return _frozen_policy(config, mesh, params, "rl.teacher", config.rl.teacher)
+
+
+def _frozen_policy(config, mesh, params, name: str, source: str):
     import jax.numpy as jnp
 
-    reference = config.rl.reference
-    if reference in ("initial", "sft"):
+    if source in ("initial", "sft"):
         return jax.tree.map(jnp.copy, params)
-    ref_config, host = models.load_hf(reference, dtype=config.checkpoint.param_dtype)
+    loaded_config, host = models.load_hf(source, dtype=config.checkpoint.param_dtype)
     placed = sharding.place_params(host, mesh)
     if jax.tree.structure(placed) != jax.tree.structure(params) or any(
             a.shape != b.shape for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params))):
-        raise ConfigError(f"rl.reference={reference!r}: its parameters ({ref_config.architecture}) do not match "
+        raise ConfigError(f"{name}={source!r}: its parameters ({loaded_config.architecture}) do not match "
                           "the policy's shapes")
     return jax.tree.map(lambda p, t: p.astype(t.dtype), placed, params)
 

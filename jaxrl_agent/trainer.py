@@ -303,12 +303,13 @@ def run_rl(run: Run) -> None:
         run.buffer.load_state_dict(resume.replay)
         run.sampler.update_weights(run.params, run.version)
     reference = build.build_reference(config, run.mesh, run.params) if run.objective.needs_reference else None
+    teacher = build.build_teacher(config, run.mesh, run.params) if run.objective.needs_teacher else None
     if config.reward.judge == "policy":
         # A frozen judge: its own copy of the weights RL starts from (the learner's are donated at
         # every step); a resumed run restores the copy from its checkpoint below.
         run.judge_params = jax.tree.map(jnp.copy, run.params)
     state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, objective=run.objective,
-                                         ref_params=reference)
+                                         ref_params=reference, teacher_params=teacher)
     logprobs_fn = learner.make_proximal_logprobs(run.model_config, run.mesh, temperature=r.temperature,
                                                  logits_chunk=config.learner.logits_chunk) \
         if run.objective.needs_proximal or config.invariants.drift_every > 0 else None

@@ -424,3 +424,37 @@ def test_episode_settings_carry_the_rollout_sampling_and_format_keys(tmp_path):
     assert (settings.sampling.temperature, settings.sampling.top_k, settings.sampling.top_p) == (0.7, 20, 0.95)
     assert settings.max_think_tokens == 64 and settings.tool_format == "env"
     assert settings.sampling.max_tokens == config.rollout.max_tokens_per_turn
+
+
+def test_distillation_from_the_config_distils_against_the_weights_rl_starts_from(tmp_path):
+    """rl.distill_coef adds the distillation term (its own loss term in the records); the teacher is
+    a frozen copy of the weights RL starts from (after SFT), checkpointed; a Hugging Face folder of
+    another model is a teacher too, and far from the policy."""
+    import orbax.checkpoint as ocp
+
+    from jaxrl_agent import checkpoint
+
+    config = _rl_only(tiny_config(tmp_path / "initial"), iterations=2)
+    config.sft.steps, config.checkpoint.every, config.checkpoint.keep = 2, 1, 5
+    config.rl.distill_coef = 0.5
+    rl = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    assert all(r["distill/loss"] == pytest.approx(0.5 * r["distill/kl_k3"], rel=1e-5) for r in rl)
+    assert all(0.0 <= r["distill/kl_k3"] < 1e-3 for r in rl)  # a few small steps from the teacher
+    saved = checkpoint.Checkpointer(str(tmp_path / "initial" / "checkpoints"), 2)
+    arrays = saved.manager.restore(saved.manager.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(None)))["state"]
+    saved.close()
+    sft = checkpoint.Checkpointer(str(tmp_path / "initial" / "checkpoints"), 2)
+    sft_params = sft.manager.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))["state"]["params"]
+    sft.close()
+    leaves = jax.tree.leaves
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(arrays["teacher_params"]), leaves(sft_params)))
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(arrays["teacher_params"]), leaves(arrays["params"])))
+    config = _rl_only(tiny_config(tmp_path / "folder"), iterations=1)
+    config.rl.distill_coef = 0.5
+    config.rl.teacher = _saved_like_the_policy(config, tmp_path / "teacher", seed=13)
+    (folder,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    assert folder["distill/kl_k3"] > 1e-2
+    config.rl.teacher = str(tmp_path / "missing")
+    with pytest.raises(build.ConfigError, match="rl.teacher=.*expected 'initial' or a Hugging Face model folder"):
+        build.validate_config(config)
