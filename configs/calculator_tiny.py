@@ -18,6 +18,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0  # PRNG seed for parameter init and everything downstream.
     config.workdir = "runs/calculator_tiny"  # Where checkpoints and metrics go.
     config.resume = False  # Continue from the latest checkpoint in workdir/checkpoints.
+    # A stage list, in order ('' = one run: SFT, then RL): each name's overrides are
+    # config.stage.<name>, a partial config (e.g. {"env": {"name": "chain"}, "sft": {"steps": 0}});
+    # each stage is a run of its own in workdir/stages/<i>_<name>, starting from the previous
+    # stage's final policy, on one global step. See configs/stages_tiny.py.
+    config.stages = ""
+    config.stage = ml_collections.ConfigDict()
     # JAX's persistent compilation cache for the launcher ('' = off): later runs skip compiling.
     config.compilation_cache_dir = "~/.cache/jaxrl_agent/xla"
 
@@ -59,6 +65,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint.hf_path = ""
     config.checkpoint.param_dtype = "float32"  # Parameter dtype after loading a checkpoint.
     config.checkpoint.compute_dtype = "float32"  # Activation dtype for a loaded checkpoint.
+    # A run's workdir: the policy starts from its newest checkpoint's parameters (a resumed run
+    # restores its own); '' = config.checkpoint.hf_path or random init.
+    config.checkpoint.init_from = ""
     config.checkpoint.every = 10  # Save every N RL iterations (and after SFT, and at the end; 0 = only those).
     config.checkpoint.keep = 2  # Checkpoints kept.
     # Also write each checkpoint's policy as a Hugging Face folder, <workdir>/hf/<step> (config,
@@ -394,6 +403,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.metrics.tensorboard = True  # Also write TensorBoard scalars to workdir/tensorboard.
     config.metrics.wandb_project = ""  # Also log to this Weights & Biases project (pip install ".[wandb]").
     config.metrics.progress = "auto"  # Progress bars: 'auto' (on a terminal only), 'on' or 'off'.
+    config.metrics.global_step_offset = 0  # Added to every record's global step (a stage's place in its list).
     # Write every episode the learner takes (whole trajectories, JSON) to workdir/episodes.jsonl
     # (episodes.p<i>.jsonl for process i > 0): what was trained on, for inspection and audits.
     config.metrics.episodes_log = False

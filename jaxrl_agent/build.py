@@ -89,7 +89,8 @@ def build_mesh(config) -> jax.sharding.Mesh:
 
 
 def build_model(config, mesh: jax.sharding.Mesh | None = None) -> tuple[models.ModelConfig, dict]:
-    """(ModelConfig, params): loaded from `config.checkpoint.hf_path` or randomly initialised.
+    """(ModelConfig, params): loaded from `config.checkpoint.hf_path` or randomly initialised, then
+    replaced by the newest checkpoint's of the run in `checkpoint.init_from` when it is set.
 
     With a mesh, parameters are placed in their sharded layout.
     """
@@ -99,14 +100,36 @@ def build_model(config, mesh: jax.sharding.Mesh | None = None) -> tuple[models.M
             raise FileNotFoundError(f"config.checkpoint.hf_path={path!r} is not a folder")
         model_config, host_params = models.load_hf(
             path, dtype=config.checkpoint.param_dtype, compute_dtype=config.checkpoint.compute_dtype)
-        return model_config, sharding.place_params(host_params, mesh)
+        params = sharding.place_params(host_params, mesh)
+        if config.checkpoint.init_from:
+            params = params_from_run(config, config.checkpoint.init_from, params)
+        return model_config, params
     model_config = models.ModelConfig.from_config_dict(config.model)
     init = jax.jit(models.init_params, static_argnums=0)
     if mesh is not None:
         shapes = jax.eval_shape(init, model_config, jax.random.PRNGKey(0))
         init = jax.jit(models.init_params, static_argnums=0, out_shardings=sharding.param_shardings(shapes, mesh))
     params = init(model_config, jax.random.PRNGKey(config.seed))
+    if config.checkpoint.init_from:
+        params = params_from_run(config, config.checkpoint.init_from, params)
     return model_config, params
+
+
+def params_from_run(config, workdir: str, params):
+    """The parameters of the newest checkpoint of the run in `workdir`, in `params`' dtypes and
+    shardings (`checkpoint.init_from`: a stage starts from the previous stage's final policy)."""
+    from jaxrl_agent import checkpoint
+
+    target = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    try:
+        restored, _, _ = checkpoint.restore_policy(os.path.join(workdir, "checkpoints"), params,
+                                                   keep=config.checkpoint.keep)
+    except FileNotFoundError as err:
+        raise ConfigError(f"checkpoint.init_from={workdir!r}: {err}") from None
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"checkpoint.init_from={workdir!r}: its parameters do not restore into the policy's "
+                          f"shapes {jax.tree.map(lambda t: t.shape, target)} ({err})") from None
+    return jax.tree.map(lambda r, p: jax.device_put(r, p.sharding), restored, params)
 
 
 def stop_token_ids(config, tok: tokenizer_lib.Tokenizer) -> tuple[int, ...]:

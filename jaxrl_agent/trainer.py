@@ -111,7 +111,8 @@ class Run:
         if console is None and stage.endswith("eval"):
             console = metrics_lib.eval_console_line(stage, step, metrics)
         self.global_step = global_step
-        self.writer.write(stage, step, metrics, global_step=global_step, console=console)
+        self.writer.write(stage, step, metrics, global_step=global_step + self.config.metrics.global_step_offset,
+                          console=console)
 
     def elapsed_seconds(self) -> float:
         return time.monotonic() - self.started
@@ -495,12 +496,17 @@ summarize = metrics_lib.summarize
 
 def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = False,
                        objective: losses.Objective | None = None, reward_fn: Callable | None = None) -> str:
-    """Runs SFT then RL as configured; returns the path of the metrics file.
+    """Runs SFT then RL as configured (a stage list, `config.stages`: each stage so, in order,
+    `stages.run_stages`); returns the path of the metrics file.
 
     objective: a `losses.Objective` to train with instead of the config's (`rl.objective*`).
     reward_fn: `fn(trajectory) -> float | {name: float}` instead of `reward.fn` (see RewardShaping).
     """
     workdir = workdir or config.workdir
+    if str(config.stages).strip():  # a stage list: each stage is one such run
+        from jaxrl_agent import stages
+
+        return stages.run_stages(config, workdir, quiet=quiet, objective=objective, reward_fn=reward_fn)
     run = build_run(config, workdir, quiet=quiet, objective=objective, reward_fn=reward_fn)
     try:
         run.writer.write_config(config)
