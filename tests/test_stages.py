@@ -1,0 +1,126 @@
+"""Stage lists (`config.stages`): each stage a run from the previous one's final policy, one
+global step, an evaluation of every environment after each stage, and resume in the right stage."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxrl_agent import build, stages
+from tests.test_trainer import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def staged(workdir, rl_iterations=2):
+    """The tests' tiny config as a three-stage list: SFT on calculator, RL on calculator, then RL on
+    a calculator of another kind of task (kb_search) with distillation from the calculator stage."""
+    config = tiny_config(workdir)
+    config.unlock()
+    config.metrics.tensorboard, config.eval.pass_k, config.eval.every = False, 0, 100
+    config.env.eval_difficulties, config.eval.tasks_per_difficulty = "1", 2
+    config.checkpoint.every = 1
+    config.stages = "sft,calc,kb"
+    config.stage.sft = ml_collections.ConfigDict({"rl": {"iterations": 0}})
+    config.stage.calc = ml_collections.ConfigDict({"sft": {"steps": 0}, "rl": {"iterations": rl_iterations}})
+    config.stage.kb = ml_collections.ConfigDict({
+        "sft": {"steps": 0}, "env": {"name": "kb_search", "train_difficulties": "1", "eval_difficulties": "1"},
+        "rl": {"iterations": rl_iterations, "distill_coef": 0.5}})
+    return config
+
+
+def test_each_stage_is_the_base_config_with_its_overrides_and_bad_ones_are_named(tmp_path):
+    config = staged(tmp_path)
+    (sft, sft_dir, sft_config), (calc, _, calc_config), (kb, kb_dir, kb_config) = stages.stage_configs(config, str(tmp_path))
+    assert (sft, calc, kb) == ("sft", "calc", "kb")
+    assert sft_dir == str(tmp_path / "stages" / "0_sft") and kb_dir == str(tmp_path / "stages" / "2_kb")
+    assert sft_config.rl.iterations == 0 and sft_config.sft.steps == config.sft.steps
+    assert kb_config.env.name == "kb_search" and kb_config.rl.distill_coef == 0.5 and kb_config.sft.steps == 0
+    assert kb_config.model.hidden_size == config.model.hidden_size and kb_config.stages == ""
+    assert config.env.name == "calculator" and config.rl.distill_coef == 0.0  # the base is not changed
+    for build_stage in (sft_config, calc_config, kb_config):
+        build.validate_config(build_stage)
+    config.stage.kb.rl.distil_coef = 0.1
+    with pytest.raises(stages.StageError, match=r"stage.kb.rl.distil_coef: the config has no field 'distil_coef'"):
+        stages.stage_configs(config, str(tmp_path))
+    del config.stage.kb.rl["distil_coef"]
+    config.stages = "sft,calc,missing"
+    with pytest.raises(stages.StageError, match=r"stage 'missing' has no config.stage.missing"):
+        stages.stage_configs(config, str(tmp_path))
+    config.stages = "sft,sft"
+    with pytest.raises(stages.StageError, match="appears twice"):
+        stages.stage_configs(config, str(tmp_path))
+    config.stages = "sft,calc"
+    config.stage.calc = ml_collections.ConfigDict({"rl": {"iterations": "two"}})
+    with pytest.raises(stages.StageError, match=r"stage.calc.rl.iterations='two'"):
+        stages.stage_configs(config, str(tmp_path))
+
+
+def _records(path):
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path).read().splitlines() if line.strip().endswith("}")]
+
+
+def _config_file(tmp_path, workdir):
+    """A config file of the staged tiny config, for the launcher."""
+    path = tmp_path / "staged_config.py"
+    path.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.test_stages import staged\n\n\n"
+                    f"def get_config():\n    return staged({str(workdir)!r}, rl_iterations=3)\n")
+    return str(path)
+
+
+def _launch(config_file, *flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"))
+    return subprocess.Popen([sys.executable, str(ROOT / "launch" / "tpu_run.py"), "--config", config_file, *flags],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_stage_list_killed_in_its_second_stage_resumes_there(tmp_path):
+    workdir = tmp_path / "run"
+    config_file = _config_file(tmp_path, workdir)
+    run = _launch(config_file)
+    calc = workdir / "stages" / "1_calc" / "metrics.jsonl"
+    deadline = time.time() + 900
+    while not any(r["stage"] == "rl" and r["step"] >= 2 for r in _records(calc)):
+        assert run.poll() is None, run.stderr.read()[-3000:]
+        assert time.time() < deadline, "the run never reached the calc stage's second iteration"
+        time.sleep(0.2)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    sft_before = (workdir / "stages" / "0_sft" / "metrics.jsonl").read_text()
+    top = _records(workdir / "metrics.jsonl")
+    assert [r["stage_name"] for r in top if r["stage"] == "stage_eval"] == ["sft"]
+    resumed = _launch(config_file, "--config.resume=True")
+    _, err = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, err[-3000:]
+    top = _records(workdir / "metrics.jsonl")
+    starts = [(r["stage_name"], r["resumed"]) for r in top if r["stage"] == "stage_start"]
+    assert starts == [("sft", False), ("calc", False), ("calc", True), ("kb", False)]
+    assert (workdir / "stages" / "0_sft" / "metrics.jsonl").read_text() == sft_before  # not run again
+    calc_records = _records(calc)
+    assert any(r["stage"] == "resume" for r in calc_records)
+    assert sorted({r["step"] for r in calc_records if r["stage"] == "rl"}) == [1, 2, 3]
+    # One global step across the list: each stage continues where the previous one ended.
+    evals = {r["stage_name"]: r for r in top if r["stage"] == "stage_eval"}
+    assert list(evals) == ["sft", "calc", "kb"]
+    sft_steps = tiny_config(workdir).sft.steps
+    assert evals["sft"]["global_step"] == sft_steps
+    assert evals["calc"]["global_step"] == sft_steps + 3 and evals["kb"]["global_step"] == sft_steps + 6
+    kb_records = _records(workdir / "stages" / "2_kb" / "metrics.jsonl")
+    assert min(r["global_step"] for r in kb_records) == sft_steps + 3
+    assert [r["global_step"] for r in kb_records if r["stage"] == "rl"] == [sft_steps + 4, sft_steps + 5, sft_steps + 6]
+    # Every stage's final policy is evaluated on every environment of the list.
+    for record in evals.values():
+        assert {"eval/calculator/success", "eval/kb_search/success", "eval/calculator/pass@1/d1"} <= set(record)
+    # The distillation stage distils (its own loss term), from the calc stage's final policy.
+    assert all("distill/loss" in r for r in kb_records if r["stage"] == "rl")
+    assert not any("distill/loss" in r for r in calc_records if r["stage"] == "rl")
