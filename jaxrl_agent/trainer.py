@@ -347,11 +347,9 @@ def run_rl(run: Run) -> None:
             iteration_started = time.monotonic()
             state = rl_iteration(run, source, iteration, state, step_fn, proximal, logprobs_fn)
             durations.append(time.monotonic() - iteration_started)
-            reason = None
-            if c.stop_after_trained_tokens and run.trained_tokens_total >= c.stop_after_trained_tokens:
-                reason = "trained_tokens"
-            elif iteration < c.iterations and not _time_for_another_iteration(run, durations):
-                reason = "time_budget"
+            reason = stop_reason(c, iteration, trained_tokens_total=run.trained_tokens_total,
+                                 elapsed_seconds=run.elapsed_seconds(), durations=durations,
+                                 last_eval_seconds=run.last_eval_seconds)
             # Every process stops at the same iteration (the first reason any of them has), or the
             # others would wait in the next step's collectives for one that has left.
             reason = STOP_REASONS[int(sharding.agree_max([STOP_REASONS.index(reason)])[0])]
@@ -480,15 +478,21 @@ def _steer(run: Run, source) -> None:
         run.postprocess = dataclasses.replace(run.postprocess, max_staleness=controls.max_staleness)
 
 
-def _time_for_another_iteration(run: Run, durations: list[float]) -> bool:
-    """Whether one more RL iteration, then the final checkpoint and evaluation, still fit in
-    `rl.time_budget_minutes` (0 = always). The next iteration is estimated as the slowest of the
-    last five (an evaluation or checkpoint may fall in it), the final evaluation as the last one's
-    duration."""
-    budget = 60.0 * run.config.rl.time_budget_minutes
-    if budget <= 0:
-        return True
-    return run.elapsed_seconds() + max(durations[-5:]) + run.last_eval_seconds <= budget
+def stop_reason(rl, iteration: int, *, trained_tokens_total: int, elapsed_seconds: float, durations: list[float],
+                last_eval_seconds: float) -> str | None:
+    """Why RL ends after `iteration` before `rl.iterations` (one of STOP_REASONS), pure:
+    'trained_tokens' once `rl.stop_after_trained_tokens` (> 0) tokens were trained; 'time_budget'
+    when one more iteration, then the final checkpoint and evaluation, would not fit in
+    `rl.time_budget_minutes` (> 0) of run time — the next iteration estimated as the slowest of the
+    last five `durations` (an evaluation or checkpoint may fall in it), the final evaluation as the
+    last one's `last_eval_seconds`; None otherwise (and after the last iteration)."""
+    if rl.stop_after_trained_tokens and trained_tokens_total >= rl.stop_after_trained_tokens:
+        return "trained_tokens"
+    budget = 60.0 * rl.time_budget_minutes
+    if iteration < rl.iterations and budget > 0 and durations and \
+            elapsed_seconds + max(durations[-5:]) + last_eval_seconds > budget:
+        return "time_budget"
+    return None
 
 
 summarize = metrics_lib.summarize

@@ -502,3 +502,21 @@ def test_export_at_every_save_writes_a_hugging_face_folder_of_that_checkpoint(tm
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     with pytest.raises(FileNotFoundError, match=re.escape(f"; steps: {steps}")):
         export_hf.export(config, str(tmp_path / "run"), str(tmp_path / "none"), step=999)
+
+
+def test_stop_reason_is_the_limit_the_run_reaches_first():
+    import ml_collections
+
+    rl = ml_collections.ConfigDict({"iterations": 10, "stop_after_trained_tokens": 0, "time_budget_minutes": 0.0})
+    stop = lambda i, tokens=0, elapsed=0.0, durations=(5.0,), last_eval=0.0: trainer.stop_reason(
+        rl, i, trained_tokens_total=tokens, elapsed_seconds=elapsed, durations=list(durations),
+        last_eval_seconds=last_eval)
+    assert stop(3, tokens=10**9, elapsed=10**9) is None  # no limit set
+    rl.stop_after_trained_tokens = 1000
+    assert stop(3, tokens=999) is None and stop(3, tokens=1000) == "trained_tokens"
+    rl.time_budget_minutes = 1.0  # 60 s: one more iteration (the slowest of the last five) and the final eval
+    assert stop(3, elapsed=40.0, durations=(30, 5, 5, 5, 5, 10), last_eval=9.0) is None  # 40 + 10 + 9 <= 60
+    assert stop(3, elapsed=40.0, durations=(5, 5, 5, 5, 10, 5), last_eval=11.0) == "time_budget"  # 40 + 10 + 11
+    assert stop(3, elapsed=46.0, durations=(15,), last_eval=0.0) == "time_budget"
+    assert stop(10, elapsed=10**6) is None  # the last iteration ends the run anyway
+    assert stop(10, tokens=1000, elapsed=10**6) == "trained_tokens"  # the tokens limit is still the reason
