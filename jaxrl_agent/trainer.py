@@ -324,18 +324,7 @@ def run_rl(run: Run) -> None:
     first_iteration = 1
     if resume is not None:
         if resume.stage == "rl":
-            state, run.judge_params = checkpoint.restore_learner(run.checkpointer, state, run.judge_params)
-            run.params, run.version = state.params, resume.version
-            run.trained_tokens_total = resume.trained_tokens_total
-            checkpoint.set_rng_state(run.rng, resume.rng)
-            source.load_state_dict(resume.source)
-            run.invariants = invariants.MonitorState.from_dict(resume.invariants, run.invariant_settings)
-            if run.invariant_settings.respond:
-                _steer(run, source)
-            run.sampler.update_weights(run.params, run.version)
-            # The buffer's groups continue (finished episodes kept, suspended ones from their
-            # tokens), on the restored weights: so only once the sampler has them.
-            source.runner.restore_pending(resume.replay, legacy_pending=resume.source.get("pending"))
+            state = _restore_rl(run, source, state, resume)
             first_iteration = resume.iteration + 1
         run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
     if config.reward.judge and run.judge is None:
@@ -366,6 +355,24 @@ def run_rl(run: Run) -> None:
     finally:
         run.writer.console.close()
         source.runner.close()
+
+
+def _restore_rl(run: Run, source: rollout.source.RolloutSource, state, resume: checkpoint.RunState):
+    """Continues an RL stage from its checkpoint: the learner state (and frozen judge), the run's
+    counters and RNG, the task source, the invariants' state; then the sampler gets the restored
+    weights, and only then the replay buffer's groups continue (finished episodes kept, suspended
+    ones from their tokens, on the weights they will be trained against). Returns the state."""
+    state, run.judge_params = checkpoint.restore_learner(run.checkpointer, state, run.judge_params)
+    run.params, run.version = state.params, resume.version
+    run.trained_tokens_total = resume.trained_tokens_total
+    checkpoint.set_rng_state(run.rng, resume.rng)
+    source.load_state_dict(resume.source)
+    run.invariants = invariants.MonitorState.from_dict(resume.invariants, run.invariant_settings)
+    if run.invariant_settings.respond:
+        _steer(run, source)
+    run.sampler.update_weights(run.params, run.version)
+    source.runner.restore_pending(resume.replay, legacy_pending=resume.source.get("pending"))
+    return state
 
 
 def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int, state, step_fn, proximal,
