@@ -10,6 +10,10 @@ being its SFT time plus that), with at most `--train_max_edits` context edits pe
 greedy success is the run's final evaluation on the training levels, with its standard error
 (binomial, over all evaluated tasks).
 
+The control, "its policy, context none": each managed strategy's trained policy deployed on the
+training levels with no context management, which separates what the strategy does at run time
+from what training with it taught.
+
 Test-time scaling: each trained policy is then deployed (`agent.run_many`, the run's own episode
 code) on held-out tasks of the training levels and of longer chains (`--scaling_levels`), once
 with the training cap on edits and once with no cap: success as deployment allows more edits than
@@ -45,8 +49,9 @@ def sft_elapsed_seconds(workdir: str) -> float:
         saved.close()
 
 
-def deploy(workdir: str, levels: list[int], tasks: int, max_edits: int) -> dict[int, float]:
-    """Greedy held-out success per level of the run's policy, deployed with `max_edits` (0 = no cap)."""
+def deploy(workdir: str, levels: list[int], tasks: int, max_edits: int, context: str | None = None) -> dict[int, float]:
+    """Greedy held-out success per level of the run's policy, deployed with `max_edits` (0 = no cap)
+    and its own context strategy, or `context`."""
     from jaxrl_agent import agent, envs, evaluation, rollout
 
     out = {}
@@ -56,7 +61,7 @@ def deploy(workdir: str, levels: list[int], tasks: int, max_edits: int) -> dict[
             batch = [env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, level) for i in range(tasks)]
             results = agent.run_many(batch, deployment.sampler, lambda t: envs.make(t.env),
                                      tokenizer=deployment.tokenizer, template=deployment.template,
-                                     settings=deployment.settings, max_edits=max_edits,
+                                     settings=deployment.settings, max_edits=max_edits, context=context,
                                      seeds=[rollout.episode_seed(evaluation.EVAL_GREEDY_SEED, i, 0)
                                             for i in range(tasks)])
             out[level] = sum(r.success for r in results) / tasks
@@ -105,6 +110,9 @@ def main() -> None:
         if strategy != "none" and scaling:
             row["capped"] = deploy(workdir, [levels[-1], *scaling], args.eval_tasks, args.train_max_edits)
             row["uncapped"] = deploy(workdir, [levels[-1], *scaling], args.eval_tasks, 0)
+        if strategy != "none":  # the control: the same weights, deployed without context management
+            unmanaged = deploy(workdir, levels, args.eval_tasks, 0, context="none")
+            row["unmanaged"] = sum(unmanaged.values()) / len(unmanaged)
         rows.append(row)
         print(row, flush=True)
 
@@ -112,16 +120,17 @@ def main() -> None:
     print(f"\nchain, levels {args.train_levels}, max_context 160, {args.rl_minutes:g} min of RL after "
           f"{args.sft_steps} SFT updates, at most {args.train_max_edits} edits per episode in training; "
           f"held-out greedy success over {args.eval_tasks} tasks per level\n")
-    print("| strategy | RL iterations | after SFT | after RL | ± s.e. | vs none (in s.e.) | edits / episode | "
-          "longest sequence | summary token share |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| strategy | RL iterations | after SFT | after RL | ± s.e. | vs none (in s.e.) | its policy, context none | "
+          "edits / episode | longest sequence | summary token share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         margin = ""
         if base is not None and r is not base:
             se = math.sqrt(r["se"] ** 2 + base["se"] ** 2)
             margin = f"{(r['final'] - base['final']) / se:+.1f}" if se > 0 else "inf"
+        unmanaged = f"{r['unmanaged']:.3f}" if "unmanaged" in r else ""
         print(f"| {r['strategy']} | {r['iterations']} | {r['after_sft']:.3f} | {r['final']:.3f} | {r['se']:.3f} | "
-              f"{margin} | {r['edits']:.2f} | {r['longest']} | {r['summary_share']:.3f} |")
+              f"{margin} | {unmanaged} | {r['edits']:.2f} | {r['longest']} | {r['summary_share']:.3f} |")
     scaled = [r for r in rows if "capped" in r]
     if scaled:
         lv = list(scaled[0]["capped"])
