@@ -88,6 +88,17 @@ class Observation:
         return cls(**d)
 
 
+def with_runner_tool(first: "Observation", spec: ToolSpec) -> "Observation":
+    """An episode's first observation with a tool the episode runner handles itself (the `context`
+    tool, `delegate`), never the environment: in the tool list a model format renders, and in the
+    environment's system prompt."""
+    d = spec.to_dict()
+    system = first.system
+    if system:
+        system = f"{system}\nAlso: {json.dumps(d, separators=(',', ':'))} (handled by the runner)."
+    return dataclasses.replace(first, system=system, tools=(*(first.tools or ()), d))
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     observation: Observation

@@ -36,7 +36,6 @@ scaling of the context).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Mapping, Sequence
 
 from jaxrl_agent.envs import api as env_api
@@ -86,15 +85,8 @@ class ContextSettings:
 
 
 def advertised(settings: ContextSettings, first: env_api.Observation) -> env_api.Observation:
-    """An episode's first observation with the `context` tool among its tools (settings.tool): in
-    the tool list a model format renders, and in the environment's system prompt."""
-    if not settings.tool:
-        return first
-    spec = CONTEXT_TOOL.to_dict()
-    system = first.system
-    if system:
-        system = f"{system}\nAlso: {json.dumps(spec, separators=(',', ':'))} (handled by the runner)."
-    return dataclasses.replace(first, system=system, tools=(*(first.tools or ()), spec))
+    """An episode's first observation with the `context` tool among its tools (settings.tool)."""
+    return env_api.with_runner_tool(first, CONTEXT_TOOL) if settings.tool else first
 
 
 def context_call(settings: ContextSettings, action: str) -> str | tp.ToolCallError | None:

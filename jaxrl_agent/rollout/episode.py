@@ -30,6 +30,7 @@ from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.envs import tool_protocol
 from jaxrl_agent.replay.trajectory import PartialRollout, Trajectory
 from jaxrl_agent.rollout import context as context_lib
+from jaxrl_agent.rollout import delegation as delegation_lib
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
 from jaxrl_agent.tokenizer import Tokenizer, TurnTemplate
 
@@ -318,7 +319,9 @@ async def _replay_environment(env: EpisodeEnv, partial: PartialRollout) -> str |
 
 async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: Tokenizer, template: TurnTemplate,
                       settings: EpisodeSettings, *, seed: int = 0, group_id: str = "", sample_index: int = 0,
-                      budget=None, resume: PartialRollout | None = None) -> Trajectory:
+                      budget=None, resume: PartialRollout | None = None,
+                      subagents: delegation_lib.SubAgents | None = None, depth: int = 0,
+                      ledger: delegation_lib.Ledger | None = None) -> Trajectory:
     """Runs one episode to its end and returns its trajectory.
 
     `budget` (an `EpisodeBudget`, optional) caps the tokens sampled per learner iteration (partial
@@ -330,6 +333,11 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     `resume` continues a suspended episode from its `PartialRollout` (after a restart): the
     environment is reset with the same task and seed and stepped through the recorded actions, then
     the episode goes on from its saved ids, log-probs and versions.
+
+    `subagents` (a `delegation.SubAgents`) gives the policy the `delegate` tool: a reply that calls
+    it runs sub-agent episodes of a frozen policy, concurrently, and their answers are the calls'
+    results (`rollout.delegation`); `depth` is this episode's level (0 = the orchestrator) and
+    `ledger` the orchestrator episode's count of sub-agents and their tokens.
     """
     def ended_early(reason: str, error: str, progress: _Progress | None = None) -> Trajectory:
         p = progress or _Progress([], [], [], [], [])
@@ -347,6 +355,10 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         return ended_early("env_reset_error", repr(err))
     fmt = tool_formats.get(settings.tool_format)
     ctx = settings.context
+    if subagents is not None and ledger is None:
+        ledger = delegation_lib.Ledger(subagents.limits)
+    if subagents is not None and depth < subagents.limits.max_depth:
+        first = env_api.with_runner_tool(first, delegation_lib.DELEGATE_TOOL)
     messages, template = first_messages(context_lib.advertised(ctx, first), template, fmt,
                                         include_system_prompt=settings.include_system_prompt)
     if resume is None:
@@ -388,6 +400,9 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 if thinking is not False:
                     room = min(room, think_budget - len(ids))
             wanted = room if budget is None else await budget.grant(room, st.suspended)
+            if wanted <= 0:  # a budget with nothing left for this episode (a sub-agent's, spent)
+                cut = True
+                break
             try:
                 completion = await sampler.generate(
                     st.tokens[st.segment:], dataclasses.replace(settings.sampling, max_tokens=wanted))
@@ -416,7 +431,8 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         started = time.perf_counter()
         ids, cut, last_finish = await sample_turn()
         if not ids:
-            finish_reason = "context_limit"
+            finish_reason = "delegation_budget" if isinstance(budget, delegation_lib.Ledger) and budget.spent \
+                else "context_limit"
             break
         ended = len(ids) >= len(end_ids) and ids[-len(end_ids):] == end_ids
         if cut and not ended:
@@ -453,6 +469,19 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                     ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
                     rerender=rerender, max_context=settings.max_context, edits=edits)
                 next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+        elif subagents is not None and (calls := delegation_lib.delegate_calls(fmt.to_env(text))) is not None:
+            results, delegations = await _delegate(subagents, ledger, calls, depth, seed=seed, turn=len(st.turns),
+                                                   group_id=group_id)
+            st.turns.append({**record, "delegations": delegations})
+            messages = [*st.messages, {"role": "assistant", "token_ids": ids},
+                        {"role": "tool", "content": fmt.result("".join(results))}]
+            st.messages, continuation, restart, edit = context_after_result(
+                ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
+                rerender=rerender, max_context=settings.max_context, edits=sum("context_edit" in t for t in st.turns))
+            next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+            st.summarizing = edit == "summary_request"
+            if edit == "edited":
+                st.turns[-1]["context_edit"] = ctx.strategy
         else:
             action = fmt.to_env(text)
             step = await env.step(action)
@@ -462,6 +491,8 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 components = dict(step.info.get("reward_components", {}))
                 finish_reason = step.info.get("finish_reason", "answer")
                 success = bool(step.info.get("success", False))
+                if step.info.get("answer") is not None:
+                    st.turns[-1]["answer"] = str(step.info["answer"])
                 break
             st.actions.append(action)
             st.digests.append(observation_digest(step.observation.text))
@@ -488,6 +519,40 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
         sampler_logprobs=np.asarray(st.logprobs, np.float32), policy_version=np.asarray(st.versions, np.int32),
         reward=reward, reward_components=components, group_id=group_id, sample_index=sample_index,
         env=task.env, task_id=task.id, finish_reason=finish_reason, turns=st.turns, segment_starts=tuple(st.starts))
+
+
+async def _delegate(subagents: delegation_lib.SubAgents, ledger: delegation_lib.Ledger, calls, depth: int, *,
+                    seed: int, turn: int, group_id: str) -> tuple[list[str], list[dict]]:
+    """Runs a reply's `delegate` calls: every call the limits allow as a sub-agent episode, all at
+    once; returns (each call's tool result, in call order; the sub-agents' records)."""
+    results: list[str | None] = [None] * len(calls)
+    runs = {}
+    for i, call in enumerate(calls):
+        if not isinstance(call, str):
+            results[i] = f"error: {call.message}"
+            continue
+        refusal = ledger.refusal(depth)
+        if refusal is not None:
+            results[i] = f"error: {refusal}"
+            continue
+        try:
+            task, env = subagents.make_task(call)
+        except Exception as err:  # noqa: BLE001 - a sub-task the environment cannot make is the call's error
+            results[i] = f"error: no sub-task of {call[:80]!r}: {err}"
+            continue
+        ledger.started += 1
+        runs[i] = (call, run_episode(subagents.sampler, env, task, subagents.tokenizer, subagents.template,
+                                     subagents.settings, seed=(seed * 7919 + turn * 131 + i) % 2**31,
+                                     group_id=f"{group_id}/sub{turn}.{i}", budget=ledger, subagents=subagents,
+                                     depth=depth + 1, ledger=ledger))
+    done = await asyncio.gather(*(episode for _, episode in runs.values()))
+    delegations = []
+    for (i, (text, _)), trajectory in zip(runs.items(), done):
+        record = delegation_lib.delegation_record(text, trajectory, depth + 1)
+        results[i] = record["answer"] if record["answer"] is not None else (
+            f"error: the sub-agent ended without an answer ({trajectory.finish_reason})")
+        delegations.append(record)
+    return [tool_protocol.format_tool_result(r) for r in results], delegations
 
 
 def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,
