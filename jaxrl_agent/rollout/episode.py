@@ -422,6 +422,19 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 break
         return ids, cut, last_finish
 
+    def go_on_after(ids, ended: bool, role: str, content: str) -> tuple[list[int], bool, int]:
+        """After a reply (`ids`) and its result (a `role` message with `content`): the conversation
+        grows by both, the context strategy may edit it, and (the ids to add, whether they start a
+        new learner sequence, the next context's tokens) come back."""
+        messages = [*st.messages, {"role": "assistant", "token_ids": ids}, {"role": role, "content": content}]
+        st.messages, continuation, restart, edit = context_after_result(
+            ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
+            rerender=rerender, max_context=settings.max_context, edits=sum("context_edit" in t for t in st.turns))
+        st.summarizing = edit == "summary_request"
+        if edit == "edited":
+            st.turns[-1]["context_edit"] = ctx.strategy
+        return continuation, restart, (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+
     reward, components, finish_reason, success = 0.0, {}, "max_turns", False
     continuing = resume is not None  # the first turn is the one the partial rollout was suspended in
     while sum(_acted(t) for t in st.turns) < settings.max_turns:
@@ -463,25 +476,13 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 error = call.message if not isinstance(call, str) else (
                     f"no context edits left (at most {ctx.max_edits} per episode)")
                 st.turns.append({**record, "context_call_error": error})
-                messages = [*st.messages, {"role": "assistant", "token_ids": ids},
-                            {"role": "tool", "content": fmt.result(tool_protocol.format_tool_result(f"error: {error}"))}]
-                st.messages, continuation, restart, _ = context_after_result(
-                    ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
-                    rerender=rerender, max_context=settings.max_context, edits=edits)
-                next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
+                continuation, restart, next_tokens = go_on_after(
+                    ids, ended, "tool", fmt.result(tool_protocol.format_tool_result(f"error: {error}")))
         elif subagents is not None and (calls := delegation_lib.delegate_calls(fmt.to_env(text))) is not None:
             results, delegations = await _delegate(subagents, ledger, calls, depth, seed=seed, turn=len(st.turns),
                                                    group_id=group_id)
             st.turns.append({**record, "delegations": delegations})
-            messages = [*st.messages, {"role": "assistant", "token_ids": ids},
-                        {"role": "tool", "content": fmt.result("".join(results))}]
-            st.messages, continuation, restart, edit = context_after_result(
-                ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
-                rerender=rerender, max_context=settings.max_context, edits=sum("context_edit" in t for t in st.turns))
-            next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
-            st.summarizing = edit == "summary_request"
-            if edit == "edited":
-                st.turns[-1]["context_edit"] = ctx.strategy
+            continuation, restart, next_tokens = go_on_after(ids, ended, "tool", fmt.result("".join(results)))
         else:
             action = fmt.to_env(text)
             step = await env.step(action)
@@ -496,15 +497,8 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 break
             st.actions.append(action)
             st.digests.append(observation_digest(step.observation.text))
-            messages = [*st.messages, {"role": "assistant", "token_ids": ids},
-                        {"role": step.observation.role, "content": fmt.result(step.observation.text)}]
-            st.messages, continuation, restart, edit = context_after_result(
-                ctx, template, messages, st.tokens, st.segment, tokenizer, close_assistant=not ended,
-                rerender=rerender, max_context=settings.max_context, edits=sum("context_edit" in t for t in st.turns))
-            next_tokens = (0 if restart else len(st.tokens) - st.segment) + len(continuation)
-            st.summarizing = edit == "summary_request"
-            if edit == "edited":
-                st.turns[-1]["context_edit"] = ctx.strategy
+            continuation, restart, next_tokens = go_on_after(ids, ended, step.observation.role,
+                                                             fmt.result(step.observation.text))
         if next_tokens >= settings.max_context:
             finish_reason = "context_limit"
             break
