@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_agent import (build, checkpoint, evaluation, invariants, learner, losses, models, replay, rewards, rollout,
-                         sharding)
+                         run_schedule, sharding)
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent import tokenizer as tokenizer_lib
 
@@ -49,18 +49,12 @@ class RunStopped(RuntimeError):
     are kept): a run of non-finite updates, a checkpoint that could not be written."""
 
 
-# Why RL ends before `rl.iterations`, in order of precedence when processes disagree.
-STOP_REASONS = (None, "time_budget", "trained_tokens")
+STOP_REASONS = run_schedule.STOP_REASONS
+stop_reason = run_schedule.stop_reason
+_every = run_schedule.every
 
 # Stages logged during RL: their global step is `sft.steps` + the RL iteration.
 RL_STAGES = ("rl", "rl_eval", "rl_end", "resume", "alarm", "response")
-
-
-def _every(period: int, iteration: int) -> bool:
-    """Whether a periodic action (`eval.every`, `checkpoint.every`, `sft.log_every`, ...) falls on
-    `iteration`; a period of 0 means never periodically (the run still logs, evaluates and
-    checkpoints at its end)."""
-    return period > 0 and iteration % period == 0
 
 
 def _levels(value) -> tuple[int, ...]:
@@ -453,9 +447,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     run.invariants = outcome.state
     if run.invariant_settings.respond:
         _steer(run, source)
-    left = (config.rl.iterations - iteration) * iteration_seconds
-    budget = 60.0 * config.rl.time_budget_minutes
-    eta = left if budget <= 0 else min(left, max(budget - run.elapsed_seconds(), 0.0))
+    eta = run_schedule.eta_seconds(config.rl, iteration, iteration_seconds, run.elapsed_seconds())
     run.log("rl", iteration, record, console=metrics_lib.console_line(
         iteration, config.rl.iterations, record, seconds=iteration_seconds, eta_seconds=eta) + f" | {outcome.state_line}")
     for event in outcome.events:
@@ -483,23 +475,6 @@ def _steer(run: Run, source) -> None:
     source.apply_controls(controls, run.train_levels)
     if run.postprocess.max_staleness is not None:
         run.postprocess = dataclasses.replace(run.postprocess, max_staleness=controls.max_staleness)
-
-
-def stop_reason(rl, iteration: int, *, trained_tokens_total: int, elapsed_seconds: float, durations: list[float],
-                last_eval_seconds: float) -> str | None:
-    """Why RL ends after `iteration` before `rl.iterations` (one of STOP_REASONS), pure:
-    'trained_tokens' once `rl.stop_after_trained_tokens` (> 0) tokens were trained; 'time_budget'
-    when one more iteration, then the final checkpoint and evaluation, would not fit in
-    `rl.time_budget_minutes` (> 0) of run time — the next iteration estimated as the slowest of the
-    last five `durations` (an evaluation or checkpoint may fall in it), the final evaluation as the
-    last one's `last_eval_seconds`; None otherwise (and after the last iteration)."""
-    if rl.stop_after_trained_tokens and trained_tokens_total >= rl.stop_after_trained_tokens:
-        return "trained_tokens"
-    budget = 60.0 * rl.time_budget_minutes
-    if iteration < rl.iterations and budget > 0 and durations and \
-            elapsed_seconds + max(durations[-5:]) + last_eval_seconds > budget:
-        return "time_budget"
-    return None
 
 
 summarize = metrics_lib.summarize
