@@ -409,29 +409,22 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     learn_seconds = time.perf_counter() - learn_started
     suspended = source.runner.clock.suspended  # episodes that spent this iteration's token budget
     source.runner.next_iteration()  # suspended partial rollouts resume, on the new weights
-    with source.runner.lock:
-        replay_stats = run.buffer.stats()
+    source_stats = source.iteration_stats(groups, suspended=suspended,
+                                          with_task_ids=config.data.tasks != "procedural")
     trained_tokens = int(sum(int(t.loss_mask.sum()) for t in batch))
     run.trained_tokens_total += trained_tokens
     iteration_seconds = time.perf_counter() - started
-    retired = source.retired_tasks()
     record = metrics_lib.iteration_record(
         groups=processed.shaped_groups, trained=batch, signal=processed.metrics, learner_metrics=learner_metrics,
         sampler=metrics_lib.records.sampler_delta(sampler_before, run.sampler_stats()),
         group_size=config.rollout.group_size, decode=run.tokenizer.decode, trained_version=trained_version,
         extra={
-            **({"allocation/retired_tasks": retired} if retired is not None else {}),
-            # Schedule position after this iteration (a resumed run must continue it exactly).
-            "version": run.version, "task_position": source.tasks.position, "learner_step": int(state.step),
-            # Which records were trained on, when tasks come from a dataset.
-            **({"task_ids": [g[0].task_id for g in groups]} if config.data.tasks != "procedural" else {}),
+            **source_stats, "version": run.version, "learner_step": int(state.step),
             "trained_tokens_total": run.trained_tokens_total,
-            "groups_pending": source.groups_pending(), "suspended_episodes": suspended,
             "sample_seconds": sample_seconds,  # the learner's idle time: waiting for rollouts
             "learn_seconds": learn_seconds,
             "effective_samples_per_second": len(batch) / iteration_seconds,
             "trained_tokens_per_second": trained_tokens / iteration_seconds,
-            **replay_stats, "replay/resumed_partials": source.runner.resumed_partials,
             **({"sampler_server_restarts": run.servers.restarts} if run.servers is not None else {}),
             **({"sampler_rejoined": run.sampler.stats["rejoined"]} if config.sampler.addresses else {}),
             **judge_metrics,

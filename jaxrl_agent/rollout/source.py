@@ -131,6 +131,23 @@ class RolloutSource:
     def retired_tasks(self) -> int | None:
         return self.allocator.retired_count() if self.allocator is not None else None
 
+    def iteration_stats(self, groups: Sequence[Sequence[Trajectory]], *, suspended: int,
+                        with_task_ids: bool) -> dict[str, Any]:
+        """The source's part of an iteration's record, read once the runner has moved on to the next
+        iteration: the task stream's position (a resumed run must continue it exactly), the task ids
+        trained on (`with_task_ids`: dataset tasks), the groups pending, the `suspended` episodes
+        (those that spent this iteration's token budget, counted before the runner moved on), the
+        replay buffer's figures (under the runner's lock: episodes finish and suspend meanwhile), and
+        the allocator's retired tasks."""
+        with self.runner.lock:
+            replay_stats = self.runner.buffer.stats()
+        retired = self.retired_tasks()
+        return {**({"allocation/retired_tasks": retired} if retired is not None else {}),
+                "task_position": self.tasks.position,
+                **({"task_ids": [g[0].task_id for g in groups]} if with_task_ids else {}),
+                "groups_pending": self.groups_pending(), "suspended_episodes": suspended,
+                **replay_stats, "replay/resumed_partials": self.runner.resumed_partials}
+
     def apply_controls(self, controls, train_levels: Mapping[str, Sequence[int]]) -> None:
         """Takes the invariants' responses (`invariants.Controls`) that steer submission: DAPO's
         dynamic sampling, and the training levels less the easiest `controls.dropped_levels` (one is
