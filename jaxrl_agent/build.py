@@ -941,7 +941,7 @@ def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.M
         learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
                                 microbatches=config.learner.microbatches,
                                 temperature=1.0 if sft else config.rollout.temperature,
-                                logits_chunk=config.learner.logits_chunk),
+                                logits_chunk=config.learner.logits_chunk, mesh=mesh),
         jax.eval_shape(make_state, params, ref_params, teacher_params), mesh)
     # Made on the mesh, every leaf in its sharding (the optimizer's counters too): a checkpoint
     # before the first update holds global arrays, as several processes need.

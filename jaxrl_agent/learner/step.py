@@ -93,14 +93,18 @@ def init_state(params, optimizer: optax.GradientTransformation, *, ref_params=No
 
 
 def sequence_logprobs(config: models.ModelConfig, params, batch: PackedBatch, *, temperature: float = 1.0,
-                      with_entropy: bool = False, logits_chunk: int = 0):
+                      with_entropy: bool = False, logits_chunk: int = 0, mesh: jax.sharding.Mesh | None = None):
     """log pi(tokens[b, t]) from logits[b, t-1], 0 at t = 0; optionally the per-token entropy. [B, T].
 
     The [B, T, V] logits are never materialised: the final hidden states go through
     `models.chunked_logprobs_and_entropy` `logits_chunk` positions at a time (0 = all at once).
+    With the learner's `mesh`, the hidden states keep the batch's row sharding and the output
+    projection is gathered over the batch axes (`sharding.constrain_rows`: otherwise XLA may
+    shard the hidden width and compute every row's logits on every device).
     """
     hidden = models.hidden_states(config, params, batch.tokens, batch.positions, batch.segment_ids)
-    kernel = models.output_kernel(config, params)
+    hidden = sharding.constrain_rows(hidden, mesh)
+    kernel = sharding.gather_output_kernel(models.output_kernel(config, params), mesh)
     if batch.target_index is not None:
         return _logprobs_at(hidden, kernel, batch.tokens, batch.target_index, temperature, logits_chunk, with_entropy)
     # Position t predicts tokens[t + 1]; the last position's target is padding, dropped below.
@@ -139,8 +143,8 @@ def _split(batch: PackedBatch, microbatches: int) -> PackedBatch:
 
 def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransformation, *,
                     objective: Callable | None = None, microbatches: int = 1, temperature: float = 1.0,
-                    sft: bool = False, logits_chunk: int = 0, icepop_bounds: tuple[float, float] = (0.5, 2.0)
-                    ) -> Callable[[TrainState, PackedBatch], tuple[TrainState, Metrics]]:
+                    sft: bool = False, logits_chunk: int = 0, icepop_bounds: tuple[float, float] = (0.5, 2.0),
+                    mesh: jax.sharding.Mesh | None = None) -> Callable[[TrainState, PackedBatch], tuple[TrainState, Metrics]]:
     """Pure `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -152,6 +156,8 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
       logits_chunk: sequence positions whose [B, chunk, V] logits exist at once (0 = all T); see
         `sequence_logprobs`.
       icepop_bounds: the ratio range IcePop keeps when a batch's `loss_controls` turn it on.
+      mesh: the mesh `jit_train_step` places the step on; pins the learner's activations to the
+        batch's row sharding (`sequence_logprobs`). None = leave placement to XLA.
     """
     objective = objective or losses.make_objective(losses.default_objective_spec())
     icepop_low, icepop_high = icepop_bounds
@@ -159,12 +165,13 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
     def frozen_logprobs(frozen_params, micro):
         if frozen_params is None:
             return None
-        logp, _ = sequence_logprobs(config, frozen_params, micro, temperature=temperature, logits_chunk=logits_chunk)
+        logp, _ = sequence_logprobs(config, frozen_params, micro, temperature=temperature, logits_chunk=logits_chunk,
+                                    mesh=mesh)
         return jax.lax.stop_gradient(logp)
 
     def loss_fn(params, ref_params, teacher_params, micro: PackedBatch):
         logp, entropy = sequence_logprobs(config, params, micro, temperature=temperature, with_entropy=True,
-                                          logits_chunk=logits_chunk)
+                                          logits_chunk=logits_chunk, mesh=mesh)
         mask = micro.loss_mask.astype(jnp.float32)
         if sft:
             loss = losses.masked_token_mean(-logp, mask)

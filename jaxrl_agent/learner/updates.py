@@ -32,7 +32,7 @@ def make_proximal_logprobs(config: models.ModelConfig, mesh: jax.sharding.Mesh, 
     """jit(params, batch) -> log pi_params(tokens) [B, T], as the train step computes them."""
 
     def logprobs(params, batch: PackedBatch):
-        return sequence_logprobs(config, params, batch, temperature=temperature, logits_chunk=logits_chunk)[0]
+        return sequence_logprobs(config, params, batch, temperature=temperature, logits_chunk=logits_chunk, mesh=mesh)[0]
 
     return jax.jit(logprobs, out_shardings=sharding.batch_sharding(mesh))
 
