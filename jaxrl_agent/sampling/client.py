@@ -49,10 +49,28 @@ class _Server:
         self.generate = signed(self.channel.unary_unary(f"/{SERVICE}/Generate", **as_json))
         self.info = signed(self.channel.unary_unary(f"/{SERVICE}/Info", **as_json))
         self.load_checkpoint = signed(self.channel.unary_unary(f"/{SERVICE}/LoadCheckpoint", **as_json))
-        self.stream_weights = signed(self.channel.stream_unary(f"/{SERVICE}/StreamWeights", request_serializer=None,
-                                                               response_deserializer=json.loads))
+        self._stream_weights = signed(self.channel.stream_unary(f"/{SERVICE}/StreamWeights", request_serializer=None,
+                                                                response_deserializer=json.loads))
         self.in_flight = 0
         self.down_until = 0.0
+
+    async def stream_weights(self, messages, **kwargs):
+        """StreamWeights, with the server's status recovered where grpc's asyncio client loses it.
+
+        A server that ends the stream before the client has sent it all (a refused token) sends its
+        status, but a write still in flight can overwrite it with INTERNAL "Internal error from
+        Core" (grpc/grpc#36066). Then an Info call, which carries the same token, tells the real
+        reason: its error is raised instead; if Info succeeds the INTERNAL error stands."""
+        try:
+            return await self._stream_weights(messages, **kwargs)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.INTERNAL:
+                raise
+            try:
+                await self.info({}, timeout=kwargs.get("timeout"))
+            except grpc.aio.AioRpcError as probe:
+                raise probe from err
+            raise
 
 
 class SamplerClient:

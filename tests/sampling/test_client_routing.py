@@ -56,3 +56,37 @@ def test_affinity_memory_is_bounded_and_forgets_least_recently_used():
         await client.close()
 
     asyncio.run(run())
+
+
+def _rpc_error(code, details):
+    import grpc
+
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_a_weight_push_whose_status_grpc_lost_reports_the_servers_refusal():
+    """grpc/grpc#36066: a client-streaming call the server ends early can surface as INTERNAL;
+    the Info probe recovers the real reason, and a genuine INTERNAL error (Info fine) stands."""
+    import grpc
+
+    async def run(info_error):
+        client = SamplerClient(["127.0.0.1:1"])
+        server = client._servers[0]
+
+        async def lost_status(messages, **kwargs):
+            raise _rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+        async def info(request, **kwargs):
+            if info_error is not None:
+                raise info_error
+            return {"version": 3}
+
+        server._stream_weights, server.info = lost_status, info
+        failures = await client.update_weights({"w": np.zeros(2, np.float32)}, 4)
+        await client.close()
+        return failures["127.0.0.1:1"]
+
+    refused = asyncio.run(run(_rpc_error(grpc.StatusCode.UNAUTHENTICATED, "bad token")))
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and refused.details() == "bad token"
+    genuine = asyncio.run(run(None))
+    assert genuine.code() == grpc.StatusCode.INTERNAL
