@@ -181,6 +181,16 @@ def get_config() -> ml_collections.ConfigDict:
     # summarize: the policy edits when it calls the `context` tool ({"summary": ...}, advertised with
     # the environment's tools, never sent to it) instead of when the trigger asks; demonstrations call it there.
     config.rollout.context_tool = False
+    # Sub-agents (Agent Swarm / PARL): the policy may call `delegate` ({"task": ...}, one or several
+    # calls in a reply, run at once); each runs a sub-agent episode with a fresh context on a frozen
+    # policy (its own in-process sampler) and its answer is the call's result. Only the
+    # orchestrator's tokens are trained. '' = no delegate tool; 'initial' = a frozen copy of the
+    # weights RL starts from (after SFT; checkpointed); a Hugging Face folder = those weights.
+    # Sub-tasks come from the environment's `subtask` (e.g. chain_sum: a key of its log).
+    config.rollout.delegate = ""
+    config.rollout.delegate_max_depth = 1  # Levels of sub-agents (1 = sub-agents cannot delegate).
+    config.rollout.delegate_max_subagents = 4  # Sub-agent episodes per orchestrator episode, all levels.
+    config.rollout.delegate_token_budget = 1024  # Tokens all of an episode's sub-agents may sample together.
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"

@@ -125,9 +125,12 @@ class Deployment:
     settings: rollout.EpisodeSettings
     sampler: object
     step: int | None
+    subagent_sampler: object = None  # rollout.delegate: the frozen sub-agents' (in `settings.subagents`)
 
     def close(self) -> None:
         self.sampler.close()
+        if self.subagent_sampler is not None:
+            self.subagent_sampler.close()
 
     def __enter__(self):
         return self
@@ -139,7 +142,9 @@ class Deployment:
 def load(workdir: str, *, config=None, step: int | None = None, temperature: float = 0.0) -> Deployment:
     """The policy of a run's checkpoint (`<workdir>/checkpoints`: the newest that restores, or
     `step`; none: the config's initial parameters, step None) behind an in-process sampler. The
-    config is `config`, else the run's `<workdir>/config.json`."""
+    config is `config`, else the run's `<workdir>/config.json`. A run with sub-agents
+    (`rollout.delegate`) gets them too: 'initial' restores the frozen weights the checkpoint keeps
+    (no checkpoint: a copy of the initial parameters), and `settings` delegates to them."""
     from jaxrl_agent import build, checkpoint
     from jaxrl_agent.config_lib import run_config
     from jaxrl_agent.sampling.local import LocalSampler
@@ -153,4 +158,15 @@ def load(workdir: str, *, config=None, step: int | None = None, temperature: flo
     tok = build.build_tokenizer(config)
     template = build.build_template(config)
     sampler = LocalSampler(build.build_engine(config, model_config, params, tok))
-    return Deployment(config, tok, template, build.episode_settings(config, temperature), sampler, restored)
+    settings, subagent_sampler = build.episode_settings(config, temperature), None
+    if config.rollout.delegate:
+        frozen = params
+        if config.rollout.delegate == "initial" and restored is not None:
+            frozen, _, _ = checkpoint.restore_policy(checkpoints, params, keep=config.checkpoint.keep, step=restored,
+                                                     name="subagent_params")
+        subagent_sampler = build.build_subagent_sampler(config, model_config, frozen, tok)
+        kwargs = build.env_kwargs(config)
+        settings = dataclasses.replace(settings, subagents=build.build_subagents(
+            config, subagent_sampler, lambda task: rollout.InProcessEnv(envs.make(task.env, **kwargs)), tok, template,
+            temperature))
+    return Deployment(config, tok, template, settings, sampler, restored, subagent_sampler)

@@ -693,6 +693,11 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     need(judge in ("", "policy") or os.path.isdir(judge),
          f"reward.judge={judge!r}: expected '' (none), 'policy' or a Hugging Face model folder")
     need(config.reward.judge_max_tokens >= 1, f"reward.judge_max_tokens={config.reward.judge_max_tokens}: expected >= 1")
+    delegate = config.rollout.delegate
+    need(delegate in ("", "initial") or os.path.isdir(os.path.expanduser(delegate)),
+         f"rollout.delegate={delegate!r}: expected '' (no sub-agents), 'initial' or a Hugging Face model folder")
+    for key in ("delegate_max_depth", "delegate_max_subagents", "delegate_token_budget"):
+        need(config.rollout[key] >= 1, f"rollout.{key}={config.rollout[key]}: expected >= 1")
     need(config.env.tool_latency_s <= 0 or config.env.service == "inprocess",
          f"env.tool_latency_s={config.env.tool_latency_s} simulates latency on in-process environments only: "
          f"set env.service='inprocess' (got {config.env.service!r})")
@@ -751,12 +756,7 @@ def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer
     if not c.judge:
         return None
     if c.judge != "policy":
-        model_config, host = models.load_hf(c.judge, dtype=config.checkpoint.param_dtype,
-                                            compute_dtype=config.checkpoint.compute_dtype)
-        params = sharding.place_params(host, None)
-        if tok.vocab_size > model_config.vocab_size:
-            raise ConfigError(f"reward.judge={c.judge!r}: its vocabulary ({model_config.vocab_size}) is smaller than "
-                              f"the tokenizer's ({tok.vocab_size})")
+        model_config, params = _load_frozen_hf(config, c.judge, tok, "reward.judge")
     cache = min(model_config.max_position_embeddings, 4096)
     prefill = 1 << (cache - c.judge_max_tokens).bit_length() - 1
     engine = AgentEngine(model_config, params, tok, max_concurrent_decodes=config.sampler.max_concurrent_decodes,
@@ -764,6 +764,59 @@ def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer
                          steps_per_call=config.sampler.steps_per_call, prefix_cache_entries=0, seed=config.seed + 7)
     rubric = tuple(item.strip() for item in c.judge_rubric.split(";") if item.strip()) or rewards.judge.DEFAULT_RUBRIC
     return rewards.RubricJudge(LocalSampler(engine), tok, template, rubric=rubric, max_tokens=c.judge_max_tokens)
+
+
+def _load_frozen_hf(config, folder: str, tok: tokenizer_lib.Tokenizer, key: str):
+    """(model config, params on this host's default device) of a frozen policy's Hugging Face
+    folder, whose vocabulary must cover the run's tokenizer."""
+    model_config, host = models.load_hf(folder, dtype=config.checkpoint.param_dtype,
+                                        compute_dtype=config.checkpoint.compute_dtype)
+    if tok.vocab_size > model_config.vocab_size:
+        raise ConfigError(f"{key}={folder!r}: its vocabulary ({model_config.vocab_size}) is smaller than "
+                          f"the tokenizer's ({tok.vocab_size})")
+    return model_config, sharding.place_params(host, None)
+
+
+def delegation_limits(config):
+    """`rollout.DelegationLimits` of `rollout.delegate_*` (raises ValueError below 1)."""
+    from jaxrl_agent.rollout import delegation
+
+    c = config.rollout
+    return delegation.DelegationLimits(max_depth=c.delegate_max_depth, max_subagents=c.delegate_max_subagents,
+                                       token_budget=c.delegate_token_budget)
+
+
+def build_subagent_sampler(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer):
+    """The frozen sub-agents' in-process sampler of `rollout.delegate` (the learner never updates
+    it): 'initial' samples from `params` (a copy of the weights RL starts from, which the caller
+    keeps and checkpoints), a folder from that Hugging Face checkpoint; None without delegation."""
+    from jaxrl_agent.sampling import LocalSampler
+
+    source = config.rollout.delegate
+    if not source:
+        return None
+    if source != "initial":
+        model_config, params = _load_frozen_hf(config, os.path.expanduser(source), tok, "rollout.delegate")
+    return LocalSampler(build_engine(config, model_config, params, tok))
+
+
+def build_subagents(config, sampler, make_env, tok: tokenizer_lib.Tokenizer, template, temperature: float):
+    """What `delegate` calls run on (`rollout.SubAgents`): `sampler` (`build_subagent_sampler`),
+    sub-tasks from the orchestrator's environment's `subtask(parent, text)`, each in the episode
+    environment `make_env(task)` gives (a run's: `Environments.make_env`, on its service), sampled
+    at `temperature` (the orchestrator's: greedy in evaluation) with the run's episode settings;
+    limits from `rollout.delegate_*`."""
+    from jaxrl_agent import envs
+    from jaxrl_agent.rollout import delegation
+
+    kwargs = env_kwargs(config)
+
+    def make_task(text: str, parent):
+        task = envs.make(parent.env, **kwargs).subtask(parent, text)
+        return task, make_env(task)
+
+    return delegation.SubAgents(sampler=sampler, make_task=make_task, settings=episode_settings(config, temperature),
+                                tokenizer=tok, template=template, limits=delegation_limits(config))
 
 
 def build_task_stream(config, environments: "Environments", levels: dict, *, seed: int):
@@ -990,13 +1043,22 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
     tasks = rollout.source.ProceduralTasks(environments.environments, environments.weights, levels,
                                            seed=config.seed + 2)
     tasks.next_seed = first_seed
+    # With sub-agents (`rollout.delegate`) the demonstrations advertise `delegate`, and an
+    # environment's delegating expert (`expert.delegate`, where it has one) shows its use, its
+    # calls answered by the sub-tasks' scripted experts.
+    delegate = rollout.delegation.scripted_subagent(lambda name: envs.make(name, **environments.kwargs)) \
+        if config.rollout.delegate else None
+
+    def expert_for(env_name: str):
+        expert = envs.expert_policy(env_name)
+        return getattr(expert, "delegate", expert) if delegate is not None else expert
 
     def demonstrate(n):
-        return [rollout.expert_trajectory(environments.environments[t.env], t, envs.expert_policy(t.env), tok,
+        return [rollout.expert_trajectory(environments.environments[t.env], t, expert_for(t.env), tok,
                                           template, include_system_prompt=config.rollout.include_system_prompt,
                                           tool_format=config.tokenizer.tool_format, history=config.rollout.history,
                                           context=context_settings(config),
-                                          max_context=config.rollout.max_context)
+                                          max_context=config.rollout.max_context, delegate=delegate)
                 for t in tasks.take(n)]
 
     return data.Demonstrations(demonstrate(config.sft.num_demonstrations), fresh=demonstrate)

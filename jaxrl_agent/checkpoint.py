@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -174,22 +174,27 @@ class Checkpointer:
         return self.manager.restore(self._chosen_step(),
                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
-    def restore_params(self, params_target):
+    def restore_params(self, params_target, name: str = "params"):
         """Only the parameters of the checkpoint `latest()` chose, cast to `params_target`'s dtypes
-        (its optimizer state may belong to another optimizer)."""
+        (its optimizer state may belong to another optimizer); `name` another set of weights it
+        keeps (`learner_arrays`: e.g. 'subagent_params'), KeyError naming those it has if absent."""
         ocp = self._ocp
         restored = self.manager.restore(self._chosen_step(),
                                         args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))["state"]
-        return jax.tree.map(lambda target, value: jnp.asarray(value, target.dtype), params_target, restored["params"])
+        if name not in restored:
+            raise KeyError(f"checkpoint {self._chosen_step()} in {self.manager.directory} has no {name!r} "
+                           f"(it has {sorted(restored)})")
+        return jax.tree.map(lambda target, value: jnp.asarray(value, target.dtype), params_target, restored[name])
 
     def close(self) -> None:
         self.manager.close()
 
 
-def restore_policy(directory: str, params_target, *, keep: int, step: int | None = None):
+def restore_policy(directory: str, params_target, *, keep: int, step: int | None = None, name: str = "params"):
     """(params, step, run state) of a run's checkpoint in `directory` (`<workdir>/checkpoints`): the
-    newest that restores, or `step`; the parameters cast to `params_target`'s dtypes. Raises
-    FileNotFoundError when there is no checkpoint, none restores, or `step` is not there."""
+    newest that restores, or `step`; the parameters (`name`: another set of weights it keeps) cast
+    to `params_target`'s dtypes. Raises FileNotFoundError when there is no checkpoint, none
+    restores, or `step` is not there."""
     if not os.path.isdir(directory) or not os.listdir(directory):
         raise FileNotFoundError(f"no checkpoints in {directory!r} (expected {directory}/<step>)")
     checkpointer = Checkpointer(directory, keep=keep)
@@ -200,15 +205,15 @@ def restore_policy(directory: str, params_target, *, keep: int, step: int | None
                 raise FileNotFoundError(f"no checkpoint in {directory} restores: {checkpointer.skipped}")
         else:
             run_state = checkpointer.select(step)
-        return checkpointer.restore_params(params_target), checkpointer.step, run_state
+        return checkpointer.restore_params(params_target, name), checkpointer.step, run_state
     finally:
         checkpointer.close()
 
 
-def learner_arrays(state, judge_params=None) -> dict[str, Any]:
-    """The arrays a checkpoint holds: the learner state, and the frozen reference, teacher and
-    judge weights when the run has them (a resumed run must judge, regularise and distil against
-    the same ones)."""
+def learner_arrays(state, frozen: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The arrays a checkpoint holds: the learner state, its frozen reference and teacher weights,
+    and `frozen` ({name: weights}, e.g. the judge's and the sub-agents') where not None — a resumed
+    run must judge, regularise, distil and delegate against the same ones."""
     arrays = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
     if state.ref_params is not None:
         arrays["ref_params"] = state.ref_params
@@ -216,19 +221,21 @@ def learner_arrays(state, judge_params=None) -> dict[str, Any]:
         arrays["master_params"] = state.master_params
     if getattr(state, "teacher_params", None) is not None:
         arrays["teacher_params"] = state.teacher_params
-    if judge_params is not None:
-        arrays["judge_params"] = judge_params
+    for name, weights in (frozen or {}).items():
+        if weights is not None:
+            arrays[name] = weights
     return arrays
 
 
-def restore_learner(checkpointer: Checkpointer, state, judge_params=None):
-    """(state, judge_params) from the latest checkpoint, in the shapes and shardings of the given ones."""
-    restored = checkpointer.restore_state(learner_arrays(state, judge_params))
+def restore_learner(checkpointer: Checkpointer, state, frozen: Mapping[str, Any] | None = None):
+    """(state, {name: frozen weights}) from the latest checkpoint, in the shapes and shardings of
+    the given ones (a frozen entry that is None stays None)."""
+    restored = checkpointer.restore_state(learner_arrays(state, frozen))
     state = state.replace(params=restored["params"], opt_state=restored["opt_state"], step=restored["step"],
                           ref_params=restored.get("ref_params", state.ref_params),
                           master_params=restored.get("master_params", state.master_params),
                           teacher_params=restored.get("teacher_params", state.teacher_params))
-    return state, restored.get("judge_params", judge_params)
+    return state, {name: restored.get(name, weights) for name, weights in (frozen or {}).items()}
 
 
 def check_workdir(workdir: str, *, resume: bool) -> None:

@@ -87,6 +87,8 @@ class Run:
     params: Any
     judge: Any = None  # rewards.RubricJudge of reward.judge, built when RL starts
     judge_params: Any = None  # reward.judge='policy': the frozen weights it judges with (checkpointed)
+    subagent_sampler: Any = None  # rollout.delegate: the frozen sub-agents' sampler, built when SFT ends
+    subagent_params: Any = None  # rollout.delegate='initial': the sub-agents' frozen weights (checkpointed)
     version: int = 0
     trained_tokens_total: int = 0
     last_eval_seconds: float = 0.0
@@ -112,7 +114,27 @@ class Run:
         return time.monotonic() - self.started
 
     def episode_settings(self, temperature: float) -> rollout.EpisodeSettings:
-        return build.episode_settings(self.config, temperature)
+        """The run's episodes at `temperature`; with sub-agents (once started), with the `delegate`
+        tool on them at the same temperature."""
+        settings = build.episode_settings(self.config, temperature)
+        if self.subagent_sampler is None:
+            return settings
+        return dataclasses.replace(settings, subagents=build.build_subagents(
+            self.config, self.subagent_sampler, self.environments.make_env, self.tokenizer, self.template, temperature))
+
+    def start_subagents(self) -> None:
+        """`rollout.delegate`: the frozen sub-agents' sampler, on a copy of the current weights
+        ('initial': the weights RL starts from) or a Hugging Face folder; once per run."""
+        if not self.config.rollout.delegate or self.subagent_sampler is not None:
+            return
+        if self.config.rollout.delegate == "initial":
+            self.subagent_params = jax.tree.map(jnp.copy, self.params)  # the learner donates its own
+        self.subagent_sampler = build.build_subagent_sampler(self.config, self.model_config, self.subagent_params,
+                                                             self.tokenizer)
+
+    def frozen_arrays(self) -> dict[str, Any]:
+        """The frozen weights a checkpoint keeps beside the learner state (`checkpoint.learner_arrays`)."""
+        return {"judge_params": self.judge_params, "subagent_params": self.subagent_params}
 
     def evaluate(self) -> dict[str, float]:
         total = sum(len(levels) for levels, _ in self.eval_spec.levels.values())
@@ -141,7 +163,7 @@ class Run:
                "rng": checkpoint.rng_state(self.rng)}
         processes = sharding.gather_objects(own) if jax.process_count() > 1 else []  # each resumes its own
         try:
-            self.checkpointer.save(step, checkpoint.learner_arrays(state, self.judge_params), checkpoint.RunState(
+            self.checkpointer.save(step, checkpoint.learner_arrays(state, self.frozen_arrays()), checkpoint.RunState(
                 stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
                 trained_tokens_total=self.trained_tokens_total, **own,
                 invariants=self.invariants.to_dict() if self.invariants is not None else {}, processes=processes))
@@ -168,6 +190,8 @@ class Run:
     def close(self) -> None:
         if self.judge is not None:
             self.judge.sampler.close()
+        if self.subagent_sampler is not None:
+            self.subagent_sampler.close()
         self.environments.close()
         if self.servers is not None:
             self.servers.close()
@@ -279,6 +303,7 @@ def run_sft(run: Run) -> None:
             run.sampler.update_weights(state.params, run.version)
             run.log("sft_eval", step, run.evaluate())
     run.push_weights(state.params)
+    run.start_subagents()  # 'initial' sub-agents: the SFT policy, frozen (its evaluation below delegates)
     run.save("sft_done", 0, state, None)
     run.log("sft_eval", c.steps, run.evaluate())
     run.writer.console.close()
@@ -297,6 +322,7 @@ def run_rl(run: Run) -> None:
         checkpoint.set_rng_state(run.rng, resume.rng)
         run.buffer.load_state_dict(resume.replay)
         run.sampler.update_weights(run.params, run.version)
+    run.start_subagents()  # a resumed RL stage restores their checkpointed weights below
     reference = build.build_reference(config, run.mesh, run.params) if run.objective.needs_reference else None
     teacher = build.build_teacher(config, run.mesh, run.params) if run.objective.needs_teacher else None
     if config.reward.judge == "policy":
@@ -356,7 +382,11 @@ def _restore_rl(run: Run, source: rollout.source.RolloutSource, state, resume: c
     counters and RNG, the task source, the invariants' state; then the sampler gets the restored
     weights, and only then the replay buffer's groups continue (finished episodes kept, suspended
     ones from their tokens, on the weights they will be trained against). Returns the state."""
-    state, run.judge_params = checkpoint.restore_learner(run.checkpointer, state, run.judge_params)
+    state, frozen = checkpoint.restore_learner(run.checkpointer, state, run.frozen_arrays())
+    run.judge_params = frozen.get("judge_params")
+    if frozen.get("subagent_params") is not None:  # the sub-agents the stage started with
+        run.subagent_params = frozen["subagent_params"]
+        run.subagent_sampler.update_weights(run.subagent_params, 0)
     run.params, run.version = state.params, resume.version
     run.trained_tokens_total = resume.trained_tokens_total
     checkpoint.set_rng_state(run.rng, resume.rng)
@@ -429,6 +459,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
             **({"sampler_rejoined": run.sampler.stats["rejoined"]} if config.sampler.addresses else {}),
             **judge_metrics,
             **run.environments.stats(),
+            **(metrics_lib.records.delegation_metrics([t for g in groups for t in g])
+               if run.subagent_sampler is not None else {}),
         })
     # With several processes, the job's numbers (every process gets the same record back).
     record = metrics_lib.job_record(record, keep=tuple(learner_metrics))

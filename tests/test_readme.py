@@ -37,6 +37,7 @@ TESTED_BLOCKS = {
     "jaxrl-agent env-server": "test_several_hosts_commands_run (slow)",
     "--config.sampler.addresses=": "test_sampler_servers_by_address_commands_run (slow)",
     'config.stages = "sft,calculator,kb_search"': "test_the_stage_list_block_is_configs_stages_tiny",
+    'config.rollout.delegate = "initial"': "test_the_sub_agents_block_is_configs_chain_sum_tiny",
 }
 
 
@@ -315,3 +316,18 @@ def test_the_stage_list_block_is_configs_stages_tiny():
     assert [name for name, _, _ in listed] == ["sft", "calculator", "kb_search"]
     for _, _, stage in listed:
         build.validate_config(stage)
+
+
+def test_the_sub_agents_block_is_configs_chain_sum_tiny():
+    """README's sub-agent block is configs/chain_sum_tiny.py's (tests/test_delegation_run.py runs
+    such a run; tests/envs/test_chain_sum.py measures its contexts), and it validates."""
+    from jaxrl_agent import build, config_lib
+
+    block = _block('config.rollout.delegate = "initial"')
+    path = ROOT / "configs" / "chain_sum_tiny.py"
+    source = [line.split("  #")[0].strip() for line in path.read_text().splitlines()]
+    for line in block.splitlines():
+        assert line.strip() in source, f"README's sub-agent block line is not in configs/chain_sum_tiny.py: {line}"
+    config = config_lib.load_config(str(path))
+    build.validate_config(config)
+    assert config.rollout.delegate == "initial" and config.env.name == "chain_sum"

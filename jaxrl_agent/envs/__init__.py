@@ -1,6 +1,6 @@
 """Multi-turn environments, the tool-call protocol, and the environment service. No JAX here.
 
-Built in: `calculator`, `kb_search`, `terminal`, `code`, `chain` (each with a scripted expert).
+Built in: `calculator`, `kb_search`, `terminal`, `code`, `chain`, `chain_sum` (each with a scripted expert).
 """
 
 from jaxrl_agent.envs.api import (
@@ -30,9 +30,9 @@ from jaxrl_agent.envs.tool_protocol import (
 )
 
 # Importing the built-in environments registers them.
-from jaxrl_agent.envs import calculator, chain, code, kb_search, terminal  # noqa: E402,F401
+from jaxrl_agent.envs import calculator, chain, chain_sum, code, kb_search, terminal  # noqa: E402,F401
 
-BUILTIN_ENVS = ("calculator", "kb_search", "terminal", "code", "chain")
+BUILTIN_ENVS = ("calculator", "kb_search", "terminal", "code", "chain", "chain_sum")
 
 __all__ = [
     "BUILTIN_ENVS", "Environment", "FINISH_REASONS", "HELD_OUT_SEED_OFFSET", "Observation", "ParsedAction", "Step",

@@ -136,6 +136,13 @@ class Environment(abc.ABC):
     def close(self) -> None:
         """Releases resources held by the episode (default: none)."""
 
+    def subtask(self, parent: Task, text: str) -> Task:
+        """The task a `delegate` call's `text` names within `parent` (one of this environment's
+        tasks): a sub-agent runs it in an episode of the returned task's `env`
+        (`rollout.delegation`). Raises ToolError where `text` names none; by default an environment
+        makes no sub-tasks."""
+        raise ToolError(f"the {self.name or type(self).__name__} environment makes no sub-tasks")
+
 
 class ToolError(Exception):
     """A tool rejected its input; the message goes back to the policy as the tool's result."""

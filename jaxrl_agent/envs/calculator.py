@@ -96,6 +96,13 @@ class CalculatorEnv(api.ToolEnvironment):
         return api.Task(id=f"calculator/{difficulty}/{seed}", env=self.name, prompt=f"Q: {expr}=?",
                         tools=(CALC,), verifier={"expr": expr, "answer": safe_eval(expr)}, difficulty=difficulty)
 
+    def subtask(self, parent: api.Task, text: str) -> api.Task:
+        """A delegated expression (`17*23`, or `Q: 17*23=?`) as a calculator task of its own."""
+        expr = str(text).strip().removeprefix("Q:").strip().removesuffix("=?").strip()
+        answer = safe_eval(expr)  # CalcError (a ToolError) names what is wrong with it
+        return api.Task(id=f"{parent.id}/sub/{expr}", env=self.name, prompt=f"Q: {expr}=?", tools=(CALC,),
+                        verifier={"expr": expr, "answer": answer}, difficulty=parent.difficulty)
+
     def tools(self):
         return (CALC,)
 

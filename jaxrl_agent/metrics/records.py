@@ -122,6 +122,24 @@ def context_metrics(episodes: Sequence[Any]) -> dict[str, float]:
     return out
 
 
+def delegation_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+    """Sub-agents' numbers (`rollout.delegate`): delegations (sub-agent episodes, all levels) per
+    episode, the sub-agents' success, the share of episodes that delegated, and an episode's
+    critical-path turns (its longest chain of dependent turns: a delegating turn counts its
+    longest sub-agent) against its total turns (its own and every sub-agent's)."""
+    from jaxrl_agent.rollout import delegation
+
+    if not episodes:
+        return {}
+    records = [list(delegation.all_delegations(t.turns)) for t in episodes]
+    flat = [d for r in records for d in r]
+    return {"delegation/per_episode": _mean(len(r) for r in records),
+            "delegation/episode_share": _mean(bool(r) for r in records),
+            "delegation/subagent_success": _mean(float(d.get("success", 0.0)) for d in flat) if flat else 0.0,
+            "delegation/critical_path_turns": _mean(delegation.critical_path_turns(t.turns) for t in episodes),
+            "delegation/total_turns": _mean(delegation.total_turns(t.turns) for t in episodes)}
+
+
 # How an iteration's per-process numbers combine into the job's (several processes): counts and
 # rates add up, the slowest process's seconds and the largest maxima stand, minima take the
 # smallest; every other number is the mean over processes (each samples an equal share).

@@ -4,8 +4,9 @@ assignment stays tractable and their skills are not eroded).
 
 The orchestrator calls `delegate` with a sub-task's text,
 `{"name": "delegate", "arguments": {"task": ...}}`, one or several calls in one reply. Each call
-runs a sub-agent episode with a fresh context: `SubAgents.make_task(text)` gives its task and
-environment, and it samples from `SubAgents.sampler`, a sampler whose weights the learner never
+runs a sub-agent episode with a fresh context: `SubAgents.make_task(text, parent)` gives its task
+and environment (`build.build_subagents`: the orchestrator's environment's `subtask(parent, text)`,
+e.g. a chain of the parent task's log), and it samples from `SubAgents.sampler`, a sampler whose weights the learner never
 updates (a pinned copy, or another checkpoint). The calls of one reply run concurrently; each
 sub-agent's final answer comes back as that call's tool result, in call order. The sub-agents'
 tokens never enter the orchestrator's trajectory — only the results do, as context (mask 0) — and
@@ -51,13 +52,13 @@ class DelegationLimits:
 
 @dataclasses.dataclass(frozen=True)
 class SubAgents:
-    """What `delegate` calls run on. sampler: a frozen policy's sampler. make_task(text) -> (task,
-    episode environment) of a sub-task. settings: the sub-agents' `EpisodeSettings` (their turns,
+    """What `delegate` calls run on. sampler: a frozen policy's sampler. make_task(text, parent
+    task) -> (task, episode environment) of a sub-task; it raises on a text that names none. settings: the sub-agents' `EpisodeSettings` (their turns,
     sampling and context). tokenizer / template: the sub-agents' (a frozen checkpoint may have its
     own)."""
 
     sampler: Any
-    make_task: Callable[[str], tuple[Any, Any]]
+    make_task: Callable[[str, Any], tuple[Any, Any]]
     settings: Any
     tokenizer: Any
     template: Any
@@ -71,10 +72,12 @@ class Ledger:
     reserved until its call's tokens are spent (sub-agents sample at once: two calls must not be
     granted the same tokens)."""
 
-    def __init__(self, limits: DelegationLimits):
+    def __init__(self, limits: DelegationLimits, turns=()):
+        """`turns`: a resumed episode's recorded turns; the sub-agents they ran count."""
         self.limits = limits
-        self.started = 0
-        self.tokens = 0
+        done = list(all_delegations(turns))
+        self.started = len(done)
+        self.tokens = sum(int(d.get("sampled_tokens", 0)) for d in done)
         self.reserved = 0
         self._grants: dict = {}  # the asyncio task of an episode -> its outstanding grant
 
@@ -105,6 +108,25 @@ class Ledger:
         return self.tokens + self.reserved >= self.limits.token_budget
 
 
+def scripted_subagent(make_env: Callable[[str], Any] | None = None) -> Callable[[Any, str], str]:
+    """A scripted sub-agent for SFT demonstrations (`episode.expert_trajectory(delegate=)`):
+    `answer(parent task, text)` makes the sub-task with the parent's environment's `subtask` and
+    returns the answer its environment's scripted expert gives (raises where there is none).
+    `make_env(name)`: a fresh environment (default `envs.make`)."""
+    from jaxrl_agent import envs
+
+    make_env = make_env or envs.make
+
+    def answer(parent, text: str) -> str:
+        sub = make_env(parent.env).subtask(parent, text)
+        step, _, _ = envs.run_episode(make_env(sub.env), sub, envs.expert_policy(sub.env))
+        if step.info.get("answer") is None:
+            raise ValueError(f"the scripted expert of {sub.env!r} ended {sub.id!r} without an answer")
+        return str(step.info["answer"])
+
+    return answer
+
+
 def delegate_calls(action: str) -> list[str | tp.ToolCallError] | None:
     """The sub-tasks of a reply that calls only `delegate` (one or several calls): each call's task
     text, or the error of a malformed one; None when the reply is for the environment (no
@@ -130,6 +152,15 @@ def delegation_record(task_text: str, trajectory, depth: int) -> dict:
             "sampled_tokens": int(trajectory.loss_mask.sum()), "depth": depth,
             "critical_path_turns": critical_path_turns(trajectory.turns),
             "trajectory": trajectory.to_dict()}
+
+
+def all_delegations(turns):
+    """Every delegation record of an episode's turns, at every level (a sub-agent's own, nested in
+    its trajectory's turns, after it)."""
+    for turn in turns:
+        for record in turn.get("delegations", ()):
+            yield record
+            yield from all_delegations((record.get("trajectory") or {}).get("turns", ()))
 
 
 def critical_path_turns(turns) -> int:

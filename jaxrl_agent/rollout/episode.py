@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import hashlib
 import time
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -142,6 +142,9 @@ class EpisodeSettings:
     history: str = "template"
     # How the conversation is edited when it outgrows the context (`rollout.context`).
     context: context_lib.ContextSettings = context_lib.ContextSettings()
+    # The frozen sub-agents the policy's `delegate` calls run on (`rollout.delegation`; built from
+    # `rollout.delegate`); None = no `delegate` tool.
+    subagents: delegation_lib.SubAgents | None = None
 
     def __post_init__(self):
         if self.history not in HISTORY_MODES:
@@ -334,11 +337,14 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     environment is reset with the same task and seed and stepped through the recorded actions, then
     the episode goes on from its saved ids, log-probs and versions.
 
-    `subagents` (a `delegation.SubAgents`) gives the policy the `delegate` tool: a reply that calls
-    it runs sub-agent episodes of a frozen policy, concurrently, and their answers are the calls'
-    results (`rollout.delegation`); `depth` is this episode's level (0 = the orchestrator) and
-    `ledger` the orchestrator episode's count of sub-agents and their tokens.
+    `subagents` (a `delegation.SubAgents`; default `settings.subagents` for the orchestrator)
+    gives the policy the `delegate` tool: a reply that calls it runs sub-agent episodes of a frozen
+    policy, concurrently, and their answers are the calls' results (`rollout.delegation`); `depth`
+    is this episode's level (0 = the orchestrator) and `ledger` the orchestrator episode's count of
+    sub-agents and their tokens (a resumed episode's counts those its recorded turns ran).
     """
+    if subagents is None and depth == 0:
+        subagents = settings.subagents
     def ended_early(reason: str, error: str, progress: _Progress | None = None) -> Trajectory:
         p = progress or _Progress([], [], [], [], [])
         return Trajectory(tokens=np.asarray(p.tokens, np.int32), loss_mask=np.asarray(p.mask, np.int32),
@@ -356,7 +362,7 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
     fmt = tool_formats.get(settings.tool_format)
     ctx = settings.context
     if subagents is not None and ledger is None:
-        ledger = delegation_lib.Ledger(subagents.limits)
+        ledger = delegation_lib.Ledger(subagents.limits, resume.turns if resume is not None else ())
     if subagents is not None and depth < subagents.limits.max_depth:
         first = env_api.with_runner_tool(first, delegation_lib.DELEGATE_TOOL)
     messages, template = first_messages(context_lib.advertised(ctx, first), template, fmt,
@@ -479,8 +485,8 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
                 continuation, restart, next_tokens = go_on_after(
                     ids, ended, "tool", fmt.result(tool_protocol.format_tool_result(f"error: {error}")))
         elif subagents is not None and (calls := delegation_lib.delegate_calls(fmt.to_env(text))) is not None:
-            results, delegations = await _delegate(subagents, ledger, calls, depth, seed=seed, turn=len(st.turns),
-                                                   group_id=group_id)
+            results, delegations = await _delegate(subagents, ledger, calls, depth, parent=task, seed=seed,
+                                                   turn=len(st.turns), group_id=group_id)
             st.turns.append({**record, "delegations": delegations})
             continuation, restart, next_tokens = go_on_after(ids, ended, "tool", fmt.result("".join(results)))
         else:
@@ -516,7 +522,7 @@ async def run_episode(sampler, env: EpisodeEnv, task: env_api.Task, tokenizer: T
 
 
 async def _delegate(subagents: delegation_lib.SubAgents, ledger: delegation_lib.Ledger, calls, depth: int, *,
-                    seed: int, turn: int, group_id: str) -> tuple[list[str], list[dict]]:
+                    parent: env_api.Task, seed: int, turn: int, group_id: str) -> tuple[list[str], list[dict]]:
     """Runs a reply's `delegate` calls: every call the limits allow as a sub-agent episode, all at
     once; returns (each call's tool result, in call order; the sub-agents' records)."""
     results: list[str | None] = [None] * len(calls)
@@ -530,7 +536,7 @@ async def _delegate(subagents: delegation_lib.SubAgents, ledger: delegation_lib.
             results[i] = f"error: {refusal}"
             continue
         try:
-            task, env = subagents.make_task(call)
+            task, env = subagents.make_task(call, parent)
         except Exception as err:  # noqa: BLE001 - a sub-task the environment cannot make is the call's error
             results[i] = f"error: no sub-task of {call[:80]!r}: {err}"
             continue
@@ -549,19 +555,36 @@ async def _delegate(subagents: delegation_lib.SubAgents, ledger: delegation_lib.
     return [tool_protocol.format_tool_result(r) for r in results], delegations
 
 
+def _scripted_result(delegate, task, call) -> str:
+    if not isinstance(call, str):
+        return f"error: {call.message}"
+    try:
+        return delegate(task, call)
+    except Exception as err:  # noqa: BLE001 - a sub-task that cannot be made is the call's error, as in run_episode
+        return f"error: no sub-task of {call[:80]!r}: {err}"
+
+
 def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, tokenizer: Tokenizer,
                       template: TurnTemplate, *, include_system_prompt: bool = False, seed: int = 0,
                       tool_format: str = "env", history: str = "template",
                       context: context_lib.ContextSettings = context_lib.ContextSettings(),
-                      max_context: int = 0) -> Trajectory:
+                      max_context: int = 0, delegate: Callable[[env_api.Task, str], str] | None = None
+                      ) -> Trajectory:
     """A scripted-expert episode rendered exactly as a sampled one would be (SFT data): the
     expert's protocol actions are written in the policy's tool format, and its learner sequences are
     split where the template rewrites history, and where the context strategy edits the
     conversation (with `max_context` > 0), as a sampled episode's are. With 'summarize' the
     summary is `expert.summarize(task, observations, actions)` where the expert has one, else the
-    latest observation (`context.default_summary`)."""
+    latest observation (`context.default_summary`).
+
+    `delegate(parent task, sub-task text) -> answer` (a scripted sub-agent,
+    `delegation.scripted_subagent`) advertises the `delegate` tool as a run with sub-agents does,
+    and answers the expert's delegate-only replies: each call's answer is its tool result, as a
+    sampled episode's sub-agents' are (a sub-task it cannot make is the call's error)."""
     fmt = tool_formats.get(tool_format)
     first = context_lib.advertised(context, env.reset(task, seed))
+    if delegate is not None:
+        first = env_api.with_runner_tool(first, delegation_lib.DELEGATE_TOOL)
     messages, template = first_messages(first, template, fmt, include_system_prompt=include_system_prompt)
     tokens = list(template.render(messages, tokenizer, add_generation_prompt=True).ids)
     mask = [0] * len(tokens)
@@ -575,7 +598,13 @@ def expert_trajectory(env: env_api.Environment, task: env_api.Task, expert, toke
         tokens += ids
         mask += [1] * len(ids)
         turns.append({"sampled_tokens": len(ids)})
-        step = env.step(action)
+        calls = delegation_lib.delegate_calls(action) if delegate is not None else None
+        if calls is not None:
+            results = "".join(tool_protocol.format_tool_result(_scripted_result(delegate, task, c)) for c in calls)
+            step = env_api.Step(env_api.Observation(results, role="tool"), 0.0, False, {})
+            turns[-1]["delegations"] = [{"task": c if isinstance(c, str) else c.raw, "scripted": True} for c in calls]
+        else:
+            step = env.step(action)
         observations.append(step.observation.text)
         if step.done:
             break

@@ -9,7 +9,7 @@ import pytest
 from jaxrl_agent import envs
 from jaxrl_agent.envs import calculator
 
-EPISODES = {"calculator": 100, "kb_search": 100, "terminal": 100, "code": 12, "chain": 100}
+EPISODES = {"calculator": 100, "kb_search": 100, "terminal": 100, "code": 12, "chain": 100, "chain_sum": 50}
 
 
 @pytest.mark.parametrize("name", envs.BUILTIN_ENVS)

@@ -26,7 +26,7 @@ def calc_task(expr, i=0):
     return dataclasses.replace(base, id=f"sub/{expr}", prompt=f"Q: {expr}=?", verifier={"answer": safe_eval(expr)})
 
 
-def make_task(text):
+def make_task(text, parent=None):
     return calc_task(text), rollout.InProcessEnv(envs.make("calculator"))
 
 
@@ -170,3 +170,29 @@ def test_a_reply_for_the_environment_is_not_a_delegation():
     assert shown.tools[-1]["name"] == "delegate" and '"name":"delegate"' in shown.system
     with pytest.raises(ValueError, match="delegation.max_depth=0"):
         delegation.DelegationLimits(max_depth=0)
+
+
+def test_sub_agents_in_the_episode_settings_reach_every_episode_path():
+    """`EpisodeSettings.subagents` (how a run's config sets them, `rollout.delegate`): episodes run
+    by `collect_groups` (rollout groups, evaluation) delegate without being handed them."""
+    parts = ["2+2", "3+3"]
+    limits = delegation.DelegationLimits(max_subagents=8, token_budget=4096)
+    sub_settings = rollout.EpisodeSettings(sampling=SamplingParams(temperature=1.0, max_tokens=60), max_context=400,
+                                           max_turns=3)
+    subs = SubAgentSampler()
+    settings = rollout.EpisodeSettings(
+        sampling=SamplingParams(temperature=1.0, max_tokens=400), max_context=2000, max_turns=4,
+        subagents=delegation.SubAgents(subs, make_task, sub_settings, TOKENIZER, tok.CHATML, limits))
+    (group,) = asyncio.run(rollout.collect_groups(Orchestrator(parts), lambda t: rollout.InProcessEnv(
+        envs.make("calculator")), [calc_task("+".join(parts))], 2, TOKENIZER, tok.CHATML, settings))
+    assert all(t.reward_components["success"] == 1.0 for t in group)
+    assert [len(t.turns[0]["delegations"]) for t in group] == [2, 2] and subs.calls == 2 * 2 * 2
+
+
+def test_a_resumed_episodes_ledger_counts_the_sub_agents_its_turns_ran():
+    parts = ["1+2", "2+3"]
+    t = _run(Orchestrator(parts), SubAgentSampler(), parts)
+    ledger = delegation.Ledger(delegation.DelegationLimits(max_subagents=2, token_budget=4096), t.turns)
+    assert ledger.started == 2 and ledger.tokens == sum(d["sampled_tokens"] for d in t.turns[0]["delegations"])
+    assert ledger.refusal(0) == "no sub-agents left (at most 2 per episode)"
+    assert delegation.Ledger(delegation.DelegationLimits()).started == 0

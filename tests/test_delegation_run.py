@@ -1,0 +1,96 @@
+"""`rollout.delegate` in a run: demonstrations show delegation, the sub-agents' weights are a
+frozen copy of the SFT policy through RL and resume, and the iteration records count delegations."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_agent import build, checkpoint, trainer
+from tests.test_trainer import tiny_config
+
+
+def _delegating_config(workdir):
+    config = tiny_config(workdir)
+    config.env.name = "chain_sum"
+    config.env.train_difficulties = config.env.eval_difficulties = config.sft.difficulties = "1"
+    config.rollout.delegate = "initial"
+    config.rollout.max_turns, config.rollout.max_context = 6, 240
+    config.eval.pass_k = 0
+    config.checkpoint.every, config.checkpoint.keep = 1, 10
+    return config
+
+
+def _arrays(workdir, step):
+    manager = checkpoint.Checkpointer(str(workdir / "checkpoints"), keep=10)
+    try:
+        ocp = manager._ocp
+        return manager.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))["state"]
+    finally:
+        manager.close()
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_demonstrations_delegate_when_sub_agents_are_on(tmp_path):
+    config = _delegating_config(tmp_path)
+    environments = build.Environments(config)
+    try:
+        tok, template = build.build_tokenizer(config), build.build_template(config)
+        demos = build.build_demonstrations(config, environments, {"chain_sum": (1,)}, tok, template, first_seed=0)
+        trajectories = demos.sample(np.random.RandomState(0), 4)
+        for t in trajectories:
+            assert t.reward == 1.0 and len(t.turns[0]["delegations"]) == 2
+            assert '"name":"delegate"' in tok.decode(t.tokens[t.loss_mask == 1].tolist())
+        config.rollout.delegate = ""  # without sub-agents: the inline expert
+        inline = build.build_demonstrations(config, environments, {"chain_sum": (1,)}, tok, template, first_seed=0)
+        assert all("delegations" not in turn for t in inline.sample(np.random.RandomState(0), 4) for turn in t.turns)
+    finally:
+        environments.close()
+
+
+@pytest.mark.slow  # ~90 s: in CI's slow pass
+def test_sub_agent_weights_stay_frozen_through_rl_and_resume(tmp_path):
+    config = _delegating_config(tmp_path)
+    trainer.train_and_evaluate(config, quiet=True)
+    config.resume, config.rl.iterations = True, 3
+    trainer.train_and_evaluate(config, quiet=True)
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    for r in rl:
+        assert {"delegation/per_episode", "delegation/subagent_success", "delegation/critical_path_turns",
+                "delegation/total_turns"} <= set(r)
+        assert 0 < r["delegation/critical_path_turns"] <= r["delegation/total_turns"]
+    sft_done = _arrays(tmp_path, config.sft.steps)
+    assert _same(sft_done["subagent_params"], sft_done["params"])
+    for step in (config.sft.steps + 2, config.sft.steps + 3):  # before and after the resume
+        later = _arrays(tmp_path, step)
+        assert _same(later["subagent_params"], sft_done["params"])  # the sub-agents never trained
+        assert not _same(later["params"], sft_done["params"])  # while the orchestrator did
+    # Deployment (`agent.load`) brings the same frozen sub-agents, and its episodes can delegate.
+    from jaxrl_agent import agent, envs
+    from jaxrl_agent.rollout.episode import run_coroutine
+    from jaxrl_agent.sampling import SamplingParams
+
+    with agent.load(str(tmp_path)) as deployed:
+        assert deployed.settings.subagents is not None and deployed.settings.subagents.sampler is deployed.subagent_sampler
+        model_config, params = build.build_model(config)
+        sft_params, _, _ = checkpoint.restore_policy(str(tmp_path / "checkpoints"), params, keep=10,
+                                                     step=config.sft.steps)
+        reference = build.build_subagent_sampler(config, model_config, sft_params, deployed.tokenizer)
+        prompt = deployed.tokenizer.encode("Q: Follow the chain from KQ; answer its value.")
+        sampling = SamplingParams(temperature=0.0, max_tokens=8)
+        frozen = run_coroutine(deployed.subagent_sampler.generate(prompt, sampling))
+        expected = run_coroutine(reference.generate(prompt, sampling))
+        policy = run_coroutine(deployed.sampler.generate(prompt, sampling))
+        reference.close()
+        assert frozen.token_ids == expected.token_ids and np.allclose(frozen.logprobs, expected.logprobs)
+        assert not np.allclose(policy.logprobs, frozen.logprobs)  # the deployed policy is the trained one
+        task = envs.make("chain_sum").sample_task(10**6, 1)
+        result = agent.run(task, deployed.sampler, envs.make("chain_sum"), tokenizer=deployed.tokenizer,
+                           template=deployed.template, settings=deployed.settings)
+        assert result.trajectory.env == "chain_sum" and result.trajectory.finish_reason
