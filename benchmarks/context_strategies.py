@@ -29,24 +29,9 @@ import shutil
 import sys
 
 import launcher_runs
-from launcher_runs import ROOT, records
+from launcher_runs import ROOT, records, sft_elapsed_seconds, standard_error
 
 sys.path.insert(0, ROOT)
-
-
-def standard_error(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
-
-
-def sft_elapsed_seconds(workdir: str) -> float:
-    """The run time its SFT checkpoint records (what `rl.time_budget_minutes` counts on resume)."""
-    from jaxrl_agent import checkpoint
-
-    saved = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=10)
-    try:
-        return float(saved.latest().elapsed_seconds)
-    finally:
-        saved.close()
 
 
 def deploy(workdir: str, levels: list[int], tasks: int, max_edits: int, context: str | None = None) -> dict[int, float]:

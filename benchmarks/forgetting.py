@@ -20,13 +20,9 @@ import shutil
 import sys
 
 import launcher_runs
-from launcher_runs import ROOT, records
+from launcher_runs import ROOT, records, standard_error
 
 sys.path.insert(0, ROOT)
-
-
-def standard_error(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
 def stage_evals(workdir: str) -> dict[str, dict]:

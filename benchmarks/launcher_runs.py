@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,3 +25,20 @@ def records(workdir: str) -> list[dict]:
     """The run's metrics.jsonl, one dict per record."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def standard_error(p: float, n: int) -> float:
+    """The binomial standard error of a success rate `p` over `n` tasks."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+def sft_elapsed_seconds(workdir: str) -> float:
+    """The run time its SFT checkpoint records (what `rl.time_budget_minutes` counts on resume)."""
+    sys.path.insert(0, ROOT)
+    from jaxrl_agent import checkpoint
+
+    saved = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=10)
+    try:
+        return float(saved.latest().elapsed_seconds)
+    finally:
+        saved.close()

@@ -1,0 +1,120 @@
+"""Delegation to frozen sub-agents against inline-only, at equal RL wall time and context, one invocation.
+
+  python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps 300] [--rl_minutes 4]
+      [--eval_tasks 32] [--levels 1,2,3]
+
+configs/chain_sum_tiny.py (composite `chain_sum` tasks: the sum of two or three chains' values;
+`rollout.max_context` = 240 tokens, which an inline episode outgrows past level 1). Two arms, each
+an SFT cold start on its own expert demonstrations (the same mixture with `chain`, the same number
+of updates), then RL from that checkpoint for the same wall time (`--rl_minutes`: the run's time
+budget is its SFT time plus that):
+  * delegate: `rollout.delegate='initial'` — the SFT policy, frozen, is every sub-agent; RL trains
+    the orchestrator only;
+  * inline: `rollout.delegate=''` — no `delegate` tool, inline demonstrations.
+The reward is correctness only in both. Held-out greedy success on chain_sum is each run's own
+evaluation after SFT and at the end (`eval/chain_sum/success`, with its binomial standard error over
+the evaluated tasks). The trained policies are then deployed (`agent.run_many`, the run's episode
+code, with its sub-agents) on the same held-out chain_sum tasks: delegations per episode,
+sub-agent success, the critical path (the longest chain of dependent turns: a delegating turn
+counts its longest sub-agent) and total turns (every sub-agent's included), per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+
+import launcher_runs
+from launcher_runs import ROOT, records, sft_elapsed_seconds, standard_error
+
+sys.path.insert(0, ROOT)
+
+
+def deploy(workdir: str, levels: list[int], tasks: int) -> dict[int, dict[str, float]]:
+    """Per level: greedy held-out success and the delegation numbers of the run's final policy."""
+    from jaxrl_agent import agent, envs, evaluation, rollout
+    from jaxrl_agent.rollout import delegation
+
+    out = {}
+    with agent.load(workdir) as deployment:
+        env = envs.make("chain_sum")
+        for level in levels:
+            batch = [env.sample_task(envs.HELD_OUT_SEED_OFFSET + i, level) for i in range(tasks)]
+            results = agent.run_many(batch, deployment.sampler, lambda t: envs.make(t.env),
+                                     tokenizer=deployment.tokenizer, template=deployment.template,
+                                     settings=deployment.settings,
+                                     seeds=[rollout.episode_seed(evaluation.EVAL_GREEDY_SEED, i, 0)
+                                            for i in range(tasks)])
+            subs = [d for r in results for d in delegation.all_delegations(r.trajectory.turns)]
+            out[level] = {
+                "success": sum(r.success for r in results) / tasks,
+                "delegations": len(subs) / tasks,
+                "subagent_success": sum(d["success"] for d in subs) / len(subs) if subs else float("nan"),
+                "critical_path": sum(delegation.critical_path_turns(r.trajectory.turns) for r in results) / tasks,
+                "total_turns": sum(delegation.total_turns(r.trajectory.turns) for r in results) / tasks,
+                "context_limit": sum(r.trajectory.finish_reason == "context_limit" for r in results) / tasks}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--arms", default="delegate,inline")
+    parser.add_argument("--sft_steps", type=int, default=300)
+    parser.add_argument("--rl_minutes", type=float, default=4.0)
+    parser.add_argument("--levels", default="1,2,3")
+    parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    levels = [int(x) for x in args.levels.split(",")]
+    common = [f"--config.sft.steps={args.sft_steps}", f"--config.env.train_difficulties={args.levels}",
+              f"--config.env.eval_difficulties={args.levels}", f"--config.seed={args.seed}",
+              f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.eval.every=0",
+              "--config.metrics.tensorboard=False", "--config.metrics.progress=off"]
+    delegate = {"delegate": "initial", "inline": ""}
+    rows = []
+    for arm in args.arms.split(","):
+        workdir = os.path.join(args.workdir, arm)
+        shutil.rmtree(workdir, ignore_errors=True)
+        flags = [*common, f"--config.rollout.delegate={delegate[arm]}"]
+        launcher_runs.launch(workdir, [*flags, "--config.rl.iterations=0"], config="chain_sum_tiny")
+        budget = sft_elapsed_seconds(workdir) / 60.0 + args.rl_minutes
+        launcher_runs.launch(workdir, [*flags, "--config.resume=True", "--config.rl.iterations=100000",
+                                       f"--config.rl.time_budget_minutes={budget:.3f}"], config="chain_sum_tiny")
+        rs = records(workdir)
+        rl = [r for r in rs if r["stage"] == "rl"]
+        after_sft = next(r for r in rs if r["stage"] == "sft_eval")["eval/chain_sum/success"]
+        final = [r for r in rs if r["stage"] == "rl_eval"][-1]["eval/chain_sum/success"]
+        n = args.eval_tasks * len(levels)
+        row = {"arm": arm, "iterations": len(rl), "after_sft": after_sft, "final": final,
+               "se_sft": standard_error(after_sft, n), "se": standard_error(final, n),
+               "train_delegations": sum(r.get("delegation/per_episode", 0.0) for r in rl) / max(len(rl), 1),
+               "deployed": deploy(workdir, levels, args.eval_tasks)}
+        rows.append(row)
+        print(row, flush=True)
+
+    print(f"\nchain_sum, levels {args.levels}, max_context 240, {args.sft_steps} SFT updates then "
+          f"{args.rl_minutes:g} min of RL; held-out greedy success over {args.eval_tasks} tasks per level\n")
+    print("| arm | RL iterations | after SFT | after RL | ± s.e. | RL gain (in s.e.) | delegations / episode in RL |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        se = math.sqrt(r["se"] ** 2 + r["se_sft"] ** 2)
+        gain = f"{(r['final'] - r['after_sft']) / se:+.1f}" if se > 0 else "n/a"
+        print(f"| {r['arm']} | {r['iterations']} | {r['after_sft']:.3f} | {r['final']:.3f} | {r['se']:.3f} | {gain} | "
+              f"{r['train_delegations']:.2f} |")
+    print("\ndeployed (the final policy; per level: success, delegations per episode, sub-agent success, "
+          "critical-path turns / total turns, ended at the context limit)\n")
+    print("| arm | level | success | delegations | sub-agent success | critical path / total turns | context limit |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        for level, d in r["deployed"].items():
+            print(f"| {r['arm']} | {level} | {d['success']:.3f} | {d['delegations']:.2f} | {d['subagent_success']:.3f} | "
+                  f"{d['critical_path']:.2f} / {d['total_turns']:.2f} | {d['context_limit']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
