@@ -1,7 +1,7 @@
 """Task data: TensorFlow Datasets builders for the built-in environments, read through `grain`.
 
 Each environment's tasks are a TFDS dataset (`calculator_tasks`, `kb_search_tasks`,
-`terminal_tasks`, `code_tasks`, `chain_tasks`) generated locally from seeds — nothing is downloaded. Splits:
+`terminal_tasks`, `code_tasks`, `chain_tasks`, `chain_sum_tasks`) generated locally from seeds — nothing is downloaded. Splits:
 `train` (seeds 0..n-1 per difficulty) and `test` (held-out seeds from 1_000_000). They are written
 as ArrayRecord so `grain` can read them by index; `task_dataset(...)` returns a grain pipeline
 (shuffle, repeat, shard by process index) of `Task`s whose iterator state is checkpointable. A real
@@ -97,7 +97,11 @@ class ChainTasks(_EnvTasks):
     ENV = "chain"
 
 
-BUILDERS = {b.ENV: b for b in (CalculatorTasks, KbSearchTasks, TerminalTasks, CodeTasks, ChainTasks)}
+class ChainSumTasks(_EnvTasks):
+    ENV = "chain_sum"
+
+
+BUILDERS = {b.ENV: b for b in (CalculatorTasks, KbSearchTasks, TerminalTasks, CodeTasks, ChainTasks, ChainSumTasks)}
 
 
 def _text(value) -> str:
