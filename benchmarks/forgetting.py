@@ -3,12 +3,12 @@
   python benchmarks/forgetting.py --workdir /tmp/forgetting [--distill_coef 0.1] [--iterations 40]
       [--eval_tasks 32]
 
-configs/stages_tiny.py: SFT on calculator and kb_search demonstrations, RL on calculator (stage
-A), then RL on kb_search (stage B). Stages SFT and A run once; stage B then runs twice from A's
-final policy, with `rl.distill_coef` = `--distill_coef` (on-policy distillation from A's policy)
-and with 0, for the same number of iterations. Each B's final policy is evaluated (greedy,
-held-out, `--eval_tasks` tasks per level) on calculator (A's levels) and kb_search: forgetting is
-A's success falling from its value after stage A.
+configs/stages_tiny.py (its stage list `sft,A,B`, read from the config): SFT on both environments'
+demonstrations, RL on A's environment (calculator), then RL on B's (chain). Stages SFT and A run
+once; stage B then runs twice from A's final policy, with `rl.distill_coef` = `--distill_coef`
+(on-policy distillation from A's policy) and with 0, for the same number of iterations. Each B's
+final policy is evaluated (greedy, held-out, `--eval_tasks` tasks per level) on both environments:
+forgetting is A's success falling from its value after stage A.
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ def stage_evals(workdir: str) -> dict[str, dict]:
     return {r["stage_name"]: r for r in records(workdir) if r["stage"] == "stage_eval"}
 
 
+def stage_names() -> tuple[str, str, str, str]:
+    """(stage A, stage B, A's environment, B's environment) of configs/stages_tiny.py."""
+    from jaxrl_agent import config_lib, stages
+
+    listed = stages.stage_configs(config_lib.load_config(os.path.join(ROOT, "configs", "stages_tiny.py")), "")
+    if len(listed) != 3:
+        raise SystemExit(f"configs/stages_tiny.py: stages {[n for n, _, _ in listed]}, expected 'sft,A,B'")
+    (_, _, _), (a, _, config_a), (b, _, config_b) = listed
+    return a, b, config_a.env.name, config_b.env.name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True)
@@ -38,55 +49,61 @@ def main() -> None:
     parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    stage_a, stage_b, env_a, env_b = stage_names()
 
     common = [f"--config.seed={args.seed}", f"--config.sft.steps={args.sft_steps}",
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.metrics.tensorboard=False",
               "--config.metrics.progress=off", "--config.eval.every=0",
-              f"--config.stage.calculator.rl.iterations={args.iterations}",
-              f"--config.stage.kb_search.rl.iterations={args.iterations}"]
+              # Both B runs train exactly --iterations (the default config's wall-clock budget would
+              # end the slower, distilled one first).
+              "--config.rl.time_budget_minutes=0",
+              f"--config.stage.{stage_a}.rl.iterations={args.iterations}",
+              f"--config.stage.{stage_b}.rl.iterations={args.iterations}"]
     distilled = os.path.join(args.workdir, "distilled")
     plain = os.path.join(args.workdir, "plain")
     shutil.rmtree(args.workdir, ignore_errors=True)
     seconds = {}
-    seconds["distilled"] = launcher_runs.launch(distilled, [*common, f"--config.stage.kb_search.rl.distill_coef="
+    seconds["distilled"] = launcher_runs.launch(distilled, [*common, f"--config.stage.{stage_b}.rl.distill_coef="
                                                                       f"{args.distill_coef}"], config="stages_tiny")
     # The same list without distillation: its SFT and A stages are the distilled list's (copied,
     # finished), so B starts from the same policy.
     os.makedirs(os.path.join(plain, "stages"))
-    for name in ("0_sft", "1_calculator"):
+    for name in ("0_sft", f"1_{stage_a}"):
         shutil.copytree(os.path.join(distilled, "stages", name), os.path.join(plain, "stages", name))
     shutil.copy(os.path.join(distilled, "config.json"), os.path.join(plain, "config.json"))
     with open(os.path.join(distilled, "metrics.jsonl")) as f, open(os.path.join(plain, "metrics.jsonl"), "w") as out:
-        out.writelines(line for line in f if '"stage_name": "kb_search"' not in line)
-    seconds["plain"] = launcher_runs.launch(plain, [*common, "--config.stage.kb_search.rl.distill_coef=0.0",
+        out.writelines(line for line in f if f'"stage_name": "{stage_b}"' not in line)
+    seconds["plain"] = launcher_runs.launch(plain, [*common, f"--config.stage.{stage_b}.rl.distill_coef=0.0",
                                                     "--config.resume=True"], config="stages_tiny")
 
-    after_a = stage_evals(distilled)["calculator"]
-    rows = [("after stage A (calculator RL)", after_a, None)]
+    after_a = stage_evals(distilled)[stage_a]
+    rows = [(f"after stage A ({env_a} RL)", after_a, None)]
     for name, workdir in (("B with distillation", distilled), ("B without distillation", plain)):
-        b = stage_evals(workdir)["kb_search"]
-        b_records = records(os.path.join(workdir, "stages", "2_kb_search"))
+        b = stage_evals(workdir)[stage_b]
+        b_records = records(os.path.join(workdir, "stages", f"2_{stage_b}"))
         rows.append((name, b, b_records))
-    n_calc = args.eval_tasks * len([k for k in after_a if k.startswith("eval/calculator/pass@1/")])
-    n_kb = args.eval_tasks * len([k for k in after_a if k.startswith("eval/kb_search/pass@1/")])
-    print(f"\nstages_tiny: SFT {args.sft_steps} updates, then {args.iterations} RL iterations on calculator (A), "
-          f"then {args.iterations} on kb_search (B) with distill_coef {args.distill_coef} or 0; held-out greedy "
+    n_a = args.eval_tasks * len([k for k in after_a if k.startswith(f"eval/{env_a}/pass@1/")])
+    n_b = args.eval_tasks * len([k for k in after_a if k.startswith(f"eval/{env_b}/pass@1/")])
+    print(f"\nstages_tiny: SFT {args.sft_steps} updates, then {args.iterations} RL iterations on {env_a} (A), "
+          f"then {args.iterations} on {env_b} (B) with distill_coef {args.distill_coef} or 0; held-out greedy "
           f"success, {args.eval_tasks} tasks per level\n")
-    print("| policy | calculator success ± s.e. | kb_search success ± s.e. | distill KL (last B iteration) |")
+    sft = stage_evals(distilled)["sft"]
+    rows.insert(0, ("after SFT", sft, None))
+    print(f"| policy | {env_a} success ± s.e. | {env_b} success ± s.e. | distill KL (last B iteration) |")
     print("|---|---|---|---|")
     for name, record, b_records in rows:
-        calc, kb = record["eval/calculator/success"], record["eval/kb_search/success"]
+        calc, kb = record[f"eval/{env_a}/success"], record[f"eval/{env_b}/success"]
         kl = ""
         if b_records:
             last = [r for r in b_records if r["stage"] == "rl"][-1]
             kl = f"{last['distill/kl_k3']:.4f}" if "distill/kl_k3" in last else "(not computed)"
-        print(f"| {name} | {calc:.3f} ± {standard_error(calc, n_calc):.3f} | {kb:.3f} ± "
-              f"{standard_error(kb, n_kb):.3f} | {kl} |")
-    d = rows[1][1]["eval/calculator/success"] - rows[2][1]["eval/calculator/success"]
-    se = math.sqrt(standard_error(rows[1][1]["eval/calculator/success"], n_calc) ** 2
-                   + standard_error(rows[2][1]["eval/calculator/success"], n_calc) ** 2)
-    print(f"\ncalculator success, distilled - plain: {d:+.3f} ({d / se:+.1f} s.e.)" if se > 0 else
-          f"\ncalculator success, distilled - plain: {d:+.3f}")
+        print(f"| {name} | {calc:.3f} ± {standard_error(calc, n_a):.3f} | {kb:.3f} ± "
+              f"{standard_error(kb, n_b):.3f} | {kl} |")
+    for env, n in ((env_a, n_a), (env_b, n_b)):
+        with_d, without = (rows[i][1][f"eval/{env}/success"] for i in (2, 3))
+        d = with_d - without
+        se = math.sqrt(standard_error(with_d, n) ** 2 + standard_error(without, n) ** 2)
+        print(f"{env} success, distilled - plain: {d:+.3f}" + (f" ({d / se:+.1f} s.e.)" if se > 0 else ""))
     print(f"wall seconds: distilled list {seconds['distilled']:.0f}, plain B {seconds['plain']:.0f}")
 
 

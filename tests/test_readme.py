@@ -36,7 +36,7 @@ TESTED_BLOCKS = {
     "launch/local_cluster.py -n 2": "test_local_cluster_command_runs (slow)",
     "jaxrl-agent env-server": "test_several_hosts_commands_run (slow)",
     "--config.sampler.addresses=": "test_sampler_servers_by_address_commands_run (slow)",
-    'config.stages = "sft,calculator,kb_search"': "test_the_stage_list_block_is_configs_stages_tiny",
+    'config.stages = "sft,calculator,chain"': "test_the_stage_list_block_is_configs_stages_tiny",
     'config.rollout.delegate = "initial"': "test_the_sub_agents_block_is_configs_chain_sum_tiny",
 }
 
@@ -307,13 +307,13 @@ def test_the_stage_list_block_is_configs_stages_tiny():
     list like it, killed and resumed), and it validates stage by stage."""
     from jaxrl_agent import build, config_lib, stages
 
-    block = _block('config.stages = "sft,calculator,kb_search"')
+    block = _block('config.stages = "sft,calculator,chain"')
     source = [line.split("  #")[0].strip() for line in (ROOT / "configs" / "stages_tiny.py").read_text().splitlines()]
     for line in block.splitlines():
         assert line.strip() in source, f"README's stage block line is not in configs/stages_tiny.py: {line}"
     config = config_lib.load_config(str(ROOT / "configs" / "stages_tiny.py"))
     listed = stages.stage_configs(config, "runs/stages_tiny")
-    assert [name for name, _, _ in listed] == ["sft", "calculator", "kb_search"]
+    assert [name for name, _, _ in listed] == ["sft", "calculator", "chain"]
     for _, _, stage in listed:
         build.validate_config(stage)
 
