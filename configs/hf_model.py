@@ -5,22 +5,15 @@ Run:
       --config.checkpoint.hf_path=/path/to/Qwen3-0.6B --config.mesh.tensor=1
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
-
-def _sibling(name):
-    """Loads another config file of this folder (config files are loaded by path, not as a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxrl_agent import config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = _sibling("calculator_tiny").get_config()
+    config = config_lib.load_config(os.path.join(os.path.dirname(__file__), "calculator_tiny.py"))
     config.unlock()
     config.workdir = "runs/hf_model"  # Where checkpoints and metrics go.
     config.tokenizer.kind = "hf"  # The checkpoint's own tokenizer.json.

@@ -11,20 +11,13 @@ turns use the checkpoint's own chat template and Qwen3's tool format (the tools 
 --config.rollout.enable_thinking=True (then --config.rollout.max_think_tokens caps each think block).
 """
 
-import importlib.util
 import os
 
-
-def _sibling(name):
-    """Loads another config file of this folder (config files are loaded by path, not as a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxrl_agent import config_lib
 
 
 def get_config():
-    config = _sibling("calculator_tiny").get_config()
+    config = config_lib.load_config(os.path.join(os.path.dirname(__file__), "calculator_tiny.py"))
     config.unlock()
     config.workdir = "runs/qwen3_0_6b_agentic"  # Where checkpoints and metrics go.
     config.tokenizer.kind = "hf"  # The checkpoint's own tokenizer.json.
