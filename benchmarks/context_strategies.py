@@ -68,6 +68,7 @@ def main() -> None:
 
     levels = [int(x) for x in args.train_levels.split(",")]
     common = [f"--config.sft.steps={args.sft_steps}", f"--config.env.train_difficulties={args.train_levels}",
+              f"--config.sft.difficulties={args.train_levels}",
               f"--config.env.eval_difficulties={args.train_levels}", f"--config.seed={args.seed}",
               f"--config.rollout.context_max_edits={args.train_max_edits}", "--config.metrics.tensorboard=False",
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.eval.every=0",

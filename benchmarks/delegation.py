@@ -1,6 +1,6 @@
 """Delegation to frozen sub-agents against inline-only, at equal RL wall time and context, one invocation.
 
-  python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps 300] [--rl_minutes 4]
+  python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps N (the config's)] [--rl_minutes 4]
       [--eval_tasks 32] [--levels 1,2,3]
 
 configs/chain_sum_tiny.py (composite `chain_sum` tasks: the sum of two or three chains' values;
@@ -63,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--arms", default="delegate,inline")
-    parser.add_argument("--sft_steps", type=int, default=300)
+    parser.add_argument("--sft_steps", type=int, default=None, help="SFT updates (default: the config's).")
     parser.add_argument("--rl_minutes", type=float, default=4.0)
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
@@ -71,7 +71,12 @@ def main() -> None:
     args = parser.parse_args()
 
     levels = [int(x) for x in args.levels.split(",")]
+    if args.sft_steps is None:
+        from jaxrl_agent import config_lib
+
+        args.sft_steps = config_lib.load_config(os.path.join(ROOT, "configs", "chain_sum_tiny.py")).sft.steps
     common = [f"--config.sft.steps={args.sft_steps}", f"--config.env.train_difficulties={args.levels}",
+              f"--config.sft.difficulties={args.levels}",
               f"--config.env.eval_difficulties={args.levels}", f"--config.seed={args.seed}",
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.eval.every=0",
               "--config.metrics.tensorboard=False", "--config.metrics.progress=off"]
