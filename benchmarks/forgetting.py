@@ -29,15 +29,14 @@ def stage_evals(workdir: str) -> dict[str, dict]:
     return {r["stage_name"]: r for r in records(workdir) if r["stage"] == "stage_eval"}
 
 
-def stage_names() -> tuple[str, str, str, str]:
-    """(stage A, stage B, A's environment, B's environment) of configs/stages_tiny.py."""
+def stage_list() -> list[tuple[str, str, str]]:
+    """[(stage name, its folder under the workdir, its environment)] of configs/stages_tiny.py: SFT, A, B."""
     from jaxrl_agent import config_lib, stages
 
     listed = stages.stage_configs(config_lib.load_config(os.path.join(ROOT, "configs", "stages_tiny.py")), "")
     if len(listed) != 3:
         raise SystemExit(f"configs/stages_tiny.py: stages {[n for n, _, _ in listed]}, expected 'sft,A,B'")
-    (_, _, _), (a, _, config_a), (b, _, config_b) = listed
-    return a, b, config_a.env.name, config_b.env.name
+    return [(name, folder, config.env.name) for name, folder, config in listed]
 
 
 def main() -> None:
@@ -49,7 +48,7 @@ def main() -> None:
     parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    stage_a, stage_b, env_a, env_b = stage_names()
+    (stage_sft, dir_sft, _), (stage_a, dir_a, env_a), (stage_b, dir_b, env_b) = stage_list()
 
     common = [f"--config.seed={args.seed}", f"--config.sft.steps={args.sft_steps}",
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.metrics.tensorboard=False",
@@ -67,9 +66,9 @@ def main() -> None:
                                                                       f"{args.distill_coef}"], config="stages_tiny")
     # The same list without distillation: its SFT and A stages are the distilled list's (copied,
     # finished), so B starts from the same policy.
-    os.makedirs(os.path.join(plain, "stages"))
-    for name in ("0_sft", f"1_{stage_a}"):
-        shutil.copytree(os.path.join(distilled, "stages", name), os.path.join(plain, "stages", name))
+    os.makedirs(plain)
+    for folder in (dir_sft, dir_a):
+        shutil.copytree(os.path.join(distilled, folder), os.path.join(plain, folder))
     shutil.copy(os.path.join(distilled, "config.json"), os.path.join(plain, "config.json"))
     with open(os.path.join(distilled, "metrics.jsonl")) as f, open(os.path.join(plain, "metrics.jsonl"), "w") as out:
         out.writelines(line for line in f if f'"stage_name": "{stage_b}"' not in line)
@@ -77,28 +76,26 @@ def main() -> None:
                                                     "--config.resume=True"], config="stages_tiny")
 
     after_a = stage_evals(distilled)[stage_a]
-    rows = [(f"after stage A ({env_a} RL)", after_a, None)]
+    rows = [("after SFT", stage_evals(distilled)[stage_sft], None), (f"after stage A ({env_a} RL)", after_a, None)]
     for name, workdir in (("B with distillation", distilled), ("B without distillation", plain)):
         b = stage_evals(workdir)[stage_b]
-        b_records = records(os.path.join(workdir, "stages", f"2_{stage_b}"))
+        b_records = records(os.path.join(workdir, dir_b))
         rows.append((name, b, b_records))
     n_a = args.eval_tasks * len([k for k in after_a if k.startswith(f"eval/{env_a}/pass@1/")])
     n_b = args.eval_tasks * len([k for k in after_a if k.startswith(f"eval/{env_b}/pass@1/")])
     print(f"\nstages_tiny: SFT {args.sft_steps} updates, then {args.iterations} RL iterations on {env_a} (A), "
           f"then {args.iterations} on {env_b} (B) with distill_coef {args.distill_coef} or 0; held-out greedy "
           f"success, {args.eval_tasks} tasks per level\n")
-    sft = stage_evals(distilled)["sft"]
-    rows.insert(0, ("after SFT", sft, None))
     print(f"| policy | {env_a} success ± s.e. | {env_b} success ± s.e. | distill KL (last B iteration) |")
     print("|---|---|---|---|")
     for name, record, b_records in rows:
-        calc, kb = record[f"eval/{env_a}/success"], record[f"eval/{env_b}/success"]
+        success_a, success_b = record[f"eval/{env_a}/success"], record[f"eval/{env_b}/success"]
         kl = ""
         if b_records:
             last = [r for r in b_records if r["stage"] == "rl"][-1]
             kl = f"{last['distill/kl_k3']:.4f}" if "distill/kl_k3" in last else "(not computed)"
-        print(f"| {name} | {calc:.3f} ± {standard_error(calc, n_a):.3f} | {kb:.3f} ± "
-              f"{standard_error(kb, n_b):.3f} | {kl} |")
+        print(f"| {name} | {success_a:.3f} ± {standard_error(success_a, n_a):.3f} | {success_b:.3f} ± "
+              f"{standard_error(success_b, n_b):.3f} | {kl} |")
     for env, n in ((env_a, n_a), (env_b, n_b)):
         with_d, without = (rows[i][1][f"eval/{env}/success"] for i in (2, 3))
         d = with_d - without
