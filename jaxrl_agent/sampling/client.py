@@ -53,6 +53,7 @@ class _Server:
                                                                 response_deserializer=json.loads))
         self.in_flight = 0
         self.down_until = 0.0
+        self.lost = False  # an RPC to it failed since it last received weights: the next push rejoins it
 
     async def stream_weights(self, messages, **kwargs):
         """StreamWeights, with the server's status recovered where grpc's asyncio client loses it.
@@ -101,6 +102,8 @@ class SamplerClient:
         self.affinity_slack = affinity_slack
         self._routes: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # first prompt -> server
         self._route_lengths: collections.Counter[int] = collections.Counter()
+        # rejoined: servers that were lost (an RPC failed, or a restart came back on other weights)
+        # and then received the latest weights, by a regular push, a resync or `rejoin_lagging`.
         self.stats = {"retries": 0, "affinity_hits": 0, "rejoined": 0}
         self._push_lock = asyncio.Lock()  # one weight push at a time (updates, resyncs, rejoins)
 
@@ -171,6 +174,7 @@ class SamplerClient:
                 if err.code() not in _RETRYABLE:
                     raise
                 server.down_until = time.monotonic() + self.cooldown_s
+                server.lost = True
                 tried.add(server.address)
                 errors.append(f"{server.address}: {err.code().name}")
                 self.stats["retries"] += 1
@@ -194,7 +198,19 @@ class SamplerClient:
             self._latest_weights = (host, int(version))
             _, failures = await self._each(lambda s: s.stream_weights(
                 weight_messages(host, version, self.weight_chunk_bytes), timeout=self.timeout_s))
+            for server in self._servers:
+                if server.address in failures:
+                    server.lost = True
+                else:
+                    self._received_weights(server)
         return failures
+
+    def _received_weights(self, server: _Server, restarted: bool = False) -> None:
+        """Marks `server` as holding the latest weights; one that was lost (or restarted) rejoined."""
+        if server.lost or restarted:
+            self.stats["rejoined"] += 1
+        server.lost = False
+        server.down_until = 0.0
 
     async def resync(self, index: int) -> None:
         """Sends the latest weights again to server `index` (after a restart) and clears its cooldown."""
@@ -205,6 +221,7 @@ class SamplerClient:
                 host, version = latest
                 await server.stream_weights(weight_messages(host, version, self.weight_chunk_bytes),
                                             timeout=self.timeout_s, wait_for_ready=True)
+                self._received_weights(server, restarted=True)
         server.down_until = 0.0
 
     async def rejoin_lagging(self, timeout_s: float = 5.0) -> list[str]:
@@ -225,9 +242,9 @@ class SamplerClient:
                     await server.stream_weights(weight_messages(host, version, self.weight_chunk_bytes),
                                                 timeout=self.timeout_s)
                 except grpc.aio.AioRpcError:
+                    server.lost = True
                     continue  # still down: tried again on the next round
-                server.down_until = 0.0
-                self.stats["rejoined"] += 1
+                self._received_weights(server, restarted=True)
                 rejoined.append(server.address)
         return rejoined
 
