@@ -547,6 +547,22 @@ def build_remote_sampler(config, params):
     return client
 
 
+def build_sampler(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, workdir: str):
+    """The run's sampler, holding `params` as version 0, and its server processes (None unless this
+    run starts them): `sampler.num_servers` > 0 starts that many JetStream server processes (the
+    learner pushes weights to them over gRPC); `sampler.addresses` uses servers run elsewhere;
+    otherwise the in-process engine (`LocalSampler`)."""
+    if config.sampler.num_servers > 0:
+        servers = SamplerServers(config, config.sampler.num_servers, workdir)
+        servers.client.update_weights(params, 0)
+        return servers.client, servers
+    if config.sampler.addresses:
+        return build_remote_sampler(config, params), None
+    from jaxrl_agent.sampling import LocalSampler
+
+    return LocalSampler(build_engine(config, model_config, params, tok)), None
+
+
 def validate_config(config, *, reward_fn_given: bool = False) -> None:
     """Checks every choice of the config before anything is built; raises ConfigError naming the
     key, the value and what was expected. Imports `env.imports` (user environments register there)

@@ -59,6 +59,22 @@ class RunState:
         return cls(**{k: d[k] for k in fields if k in d})
 
 
+def run_state(*, stage: str, iteration: int, version: int, elapsed_seconds: float, trained_tokens_total: int,
+              source: dict, replay: dict, rng, invariants: dict) -> RunState:
+    """The RunState of this moment (`rng`: the trainer's numpy RandomState). With several processes,
+    each one's own {source, replay, rng} is gathered into `processes` (a collective every process
+    calls), so that each resumes its own; the top-level fields hold this process's."""
+    own = {"source": source, "replay": replay, "rng": rng_state(rng)}
+    if jax.process_count() > 1:
+        from jaxrl_agent import sharding
+
+        processes = sharding.gather_objects(own)
+    else:
+        processes = []
+    return RunState(stage=stage, iteration=iteration, version=version, elapsed_seconds=elapsed_seconds,
+                    trained_tokens_total=trained_tokens_total, **own, invariants=invariants, processes=processes)
+
+
 def rng_state(rng) -> list:
     kind, keys, pos, has_gauss, cached = rng.get_state()
     return [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]

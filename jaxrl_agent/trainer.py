@@ -157,16 +157,14 @@ class Run:
     def save(self, stage: str, iteration: int, state: learner.TrainState, source: rollout.source.RolloutSource | None):
         """Writes a checkpoint; one that cannot be written stops the run cleanly (the previous one is kept)."""
         step = self.config.sft.steps + iteration
-        own = {"source": source.state_dict() if source is not None else {},
-               # The buffer under its runner's lock: episodes finish and suspend while this runs.
-               "replay": source.runner.pending_state() if source is not None else self.buffer.state_dict(),
-               "rng": checkpoint.rng_state(self.rng)}
-        processes = sharding.gather_objects(own) if jax.process_count() > 1 else []  # each resumes its own
+        run_state = checkpoint.run_state(
+            stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
+            trained_tokens_total=self.trained_tokens_total, source=source.state_dict() if source is not None else {},
+            # The buffer under its runner's lock: episodes finish and suspend while this runs.
+            replay=source.runner.pending_state() if source is not None else self.buffer.state_dict(),
+            rng=self.rng, invariants=self.invariants.to_dict() if self.invariants is not None else {})
         try:
-            self.checkpointer.save(step, checkpoint.learner_arrays(state, self.frozen_arrays()), checkpoint.RunState(
-                stage=stage, iteration=iteration, version=self.version, elapsed_seconds=self.elapsed_seconds(),
-                trained_tokens_total=self.trained_tokens_total, **own,
-                invariants=self.invariants.to_dict() if self.invariants is not None else {}, processes=processes))
+            self.checkpointer.save(step, checkpoint.learner_arrays(state, self.frozen_arrays()), run_state)
         except (checkpoint.CheckpointWriteError, OSError) as err:
             if not isinstance(err, checkpoint.CheckpointWriteError):  # raised before orbax was reached
                 err = checkpoint.CheckpointWriteError(step, self.checkpointer.manager.latest_step(), err)
@@ -215,18 +213,7 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         tokenizer = build.build_tokenizer(config)
         mesh = build.build_mesh(config)
         model_config, params = build.build_model(config, mesh)
-        servers = None
-        if config.sampler.num_servers > 0:
-            # JetStream server processes; the learner pushes weights to them over gRPC.
-            servers = build.SamplerServers(config, config.sampler.num_servers, workdir)
-            sampler = servers.client
-            sampler.update_weights(params, 0)
-        elif config.sampler.addresses:  # servers run elsewhere, by address
-            sampler = build.build_remote_sampler(config, params)
-        else:
-            from jaxrl_agent.sampling import LocalSampler
-
-            sampler = LocalSampler(build.build_engine(config, model_config, params, tokenizer))
+        sampler, servers = build.build_sampler(config, model_config, params, tokenizer, workdir)
     except BaseException:
         environments.close()
         raise
