@@ -1,7 +1,7 @@
 """Delegation to frozen sub-agents against inline-only, at equal RL wall time and context, one invocation.
 
   python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps N (the config's)] [--rl_minutes 4]
-      [--eval_tasks 32] [--levels 1,2,3]
+      [--eval_tasks 32] [--levels 1,2,3] [--rl_mixture chain_sum:1]
 
 configs/chain_sum_tiny.py (composite `chain_sum` tasks: the sum of two or three chains' values;
 `rollout.max_context` = 240 tokens, which an inline episode outgrows past level 1). Two arms, each
@@ -11,6 +11,9 @@ budget is its SFT time plus that):
   * delegate: `rollout.delegate='initial'` — the SFT policy, frozen, is every sub-agent; RL trains
     the orchestrator only;
   * inline: `rollout.delegate=''` — no `delegate` tool, inline demonstrations.
+RL trains on chain_sum alone (`--rl_mixture`): the chain skill the sub-agents use is SFT's, frozen,
+and chain tasks in RL would train only the orchestrator's own chain reading, which no chain_sum
+episode uses (in the second attempt they were half of every RL batch).
 The reward is correctness only in both. Held-out greedy success on chain_sum is each run's own
 evaluation after SFT and at the end (`eval/chain_sum/success`, with its binomial standard error over
 the evaluated tasks). The trained policies are then deployed (`agent.run_many`, the run's episode
@@ -67,6 +70,9 @@ def main() -> None:
     parser.add_argument("--rl_minutes", type=float, default=4.0)
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
+    parser.add_argument("--rl_mixture", default="chain_sum:1",
+                        help="RL's env.mixture (SFT keeps the config's, with chain: the skill the frozen "
+                             "sub-agents bring); '' = the config's.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -88,10 +94,13 @@ def main() -> None:
         flags = [*common, f"--config.rollout.delegate={delegate[arm]}"]
         launcher_runs.launch(workdir, [*flags, "--config.rl.iterations=0"], config="chain_sum_tiny")
         budget = sft_elapsed_seconds(workdir) / 60.0 + args.rl_minutes
-        launcher_runs.launch(workdir, [*flags, "--config.resume=True", "--config.rl.iterations=100000",
+        rl_flags = [f"--config.env.mixture={args.rl_mixture}"] if args.rl_mixture else []
+        launcher_runs.launch(workdir, [*flags, *rl_flags, "--config.resume=True", "--config.rl.iterations=100000",
                                        f"--config.rl.time_budget_minutes={budget:.3f}"], config="chain_sum_tiny")
         rs = records(workdir)
         rl = [r for r in rs if r["stage"] == "rl"]
+        # delegation/per_episode counts every trained episode; per chain_sum episode it is this over
+        # the share of chain_sum episodes (1 with the default --rl_mixture).
         after_sft = next(r for r in rs if r["stage"] == "sft_eval")["eval/chain_sum/success"]
         final = [r for r in rs if r["stage"] == "rl_eval"][-1]["eval/chain_sum/success"]
         n = args.eval_tasks * len(levels)
