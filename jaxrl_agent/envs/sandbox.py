@@ -12,7 +12,9 @@ Layers, each a backstop for the others:
      and interpreter directories (no /etc, no /home, no project, no host /tmp), a private /proc; a
      writable tmpfs of `disk_mb` as the working directory, the script and its files bound into it
      read-only; no capabilities; the whole namespace dies with the worker (`--die-with-parent`:
-     bwrap is the PID namespace's init).
+     bwrap is the PID namespace's init). bwrap binds its processes to their parents only as it
+     sets the sandbox up, so a worker killed in the first milliseconds of a launch can leave one
+     running (bwrap's window; the CPU-seconds limit still ends a program that computes).
   2. A seccomp filter (classic BPF, built here) that refuses what an audit hook cannot see:
      ptrace, process_vm_*, pidfd_*, prlimit on another process, kcmp, mount and namespace calls,
      keyctl, bpf, perf_event_open, userfaultfd, io_uring, module and reboot calls, sockets, and any

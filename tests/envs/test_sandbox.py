@@ -131,7 +131,12 @@ def test_sandboxed_processes_die_with_their_worker():
     deadline = time.monotonic() + 30
     sandboxed = []
     while time.monotonic() < deadline:
-        sandboxed = [pid for pid in _descendants(worker.pid) if b"/sandbox/main.py" in _cmdline(pid)]
+        # Started: the sandboxed interpreter itself runs (not only the bwrap launcher, whose argv also
+        # names main.py). bwrap binds each process to its parent (PR_SET_PDEATHSIG) only once it has
+        # set up the sandbox; a worker killed in those first milliseconds can leave a launcher behind
+        # (bwrap's own window, see sandbox.py's docstring).
+        sandboxed = [pid for pid in _descendants(worker.pid) if b"/sandbox/main.py" in _cmdline(pid)
+                     and _cmdline(pid).split(b"\0")[0] == os.path.realpath(sys.executable).encode()]
         if sandboxed:
             break
         time.sleep(0.1)
