@@ -1,7 +1,8 @@
 """One RL iteration's updates: the trained trajectories in `minibatches` packed batches, each one
 `train_step`, with the proximal log-probs recomputed first when the objective needs them.
 
-`rl_update` is the edge between host records and the jitted step: it packs (`replay.pack`), places
+`rl_update` is the edge between host records and the jitted step: it reads the trajectories
+through grain as packed minibatches (`replay.minibatch_dataset`), places
 the batch on the mesh, and — for the decoupled correction — runs `proximal_logprobs` on every
 minibatch with the iteration's starting parameters before the first update, so pi_prox is one
 policy for the whole iteration (Hilton et al. 2022; AReaL).
@@ -61,19 +62,16 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     # batch's shape first (the largest of theirs; padding rows and target columns train nothing).
     if jax.process_count() == 1 and not trajectories:
         return state, {}
-    order = rng.permutation(len(trajectories))
-    parts = np.array_split(order, minibatches)
-    sizes = sharding.agree_max([len(part) for part in parts])
+    sizes = sharding.agree_max(replay.minibatch_sizes(len(trajectories), minibatches))
     if not sizes.any():
         return state, {}
-    batches = []
-    for part, size in zip(parts, sizes):
-        if not size:
-            continue
-        batch = replay.pack([trajectories[i] for i in part], row_length,
-                            row_multiple=local_row_multiple(row_multiple), target_multiple=target_multiple,
-                            summary_weight=summary_weight)[0]
-        batches.append(global_batch(batch, mesh, loss_controls))
+    # The replay's trajectories read through grain: a seeded shuffle (the seed drawn from the run's
+    # checkpointed RNG), cut into minibatches, each packed as it is read.
+    dataset = replay.minibatch_dataset(
+        trajectories, minibatches, seed=int(rng.randint(0, 2**31 - 1)),
+        pack_fn=lambda part: replay.pack(part, row_length, row_multiple=local_row_multiple(row_multiple),
+                                         target_multiple=target_multiple, summary_weight=summary_weight)[0])
+    batches = [global_batch(batch, mesh, loss_controls) for batch, size in zip(dataset, sizes) if size]
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
     measure = logprobs_fn is not None and current_version is not None

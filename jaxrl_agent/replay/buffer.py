@@ -17,8 +17,9 @@ so memory stays bounded whatever the episode lengths, and what was lost to it is
 
 `admit(trajectories, ...)` is the learner's gate: it validates each post-processed record
 (`trajectory.validate`) and counts rejections by reason, so bad input is a recorded, countable
-event, never a crash and never silent. The taken groups are read as a `grain` dataset
-(`as_grain_dataset`), the same kind of object as the task pipeline.
+event, never a crash and never silent. The learner reads the admitted trajectories as a `grain`
+dataset of packed minibatches (`replay.minibatch_dataset`), the same kind of object as the task
+pipeline.
 
 The buffer is not thread-safe: `rollout.RolloutRunner`, its only writer, holds its lock around
 every call. Each process has its own buffer (its own groups), saved in its own part of the run state.
@@ -29,8 +30,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from typing import Iterable, Sequence
-
-import grain
 
 from jaxrl_agent.envs import api as env_api
 from jaxrl_agent.replay.trajectory import PartialRollout, Trajectory, validate
@@ -155,11 +154,6 @@ class ReplayBuffer:
             del self._groups[g.index]
             self.tokens -= g.tokens
         return [g.trajectories() for g in groups]
-
-    def as_grain_dataset(self, indices: Sequence[int]) -> grain.MapDataset:
-        """The finished groups `indices` (removed from the buffer), their episodes in order, as a
-        grain MapDataset."""
-        return grain.MapDataset.source([t for group in self.take(indices) for t in group])
 
     # ------------------------------------------------------------------ the learner's gate
     def admit(self, trajectories: Iterable[Trajectory], *, vocab_size: int, max_length: int,

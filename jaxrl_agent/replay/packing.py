@@ -4,12 +4,16 @@ First-fit decreasing: longest first, each into the first row with room. Each lea
 trajectory (one, or one per `Trajectory.segments` entry) becomes one attention segment (ids 1, 2, ...
 within a row; 0 = padding) with positions restarting at 0, so attention never crosses sequences (`models.forward(..., segment_ids=...)`). Rows are padded to a multiple
 of `row_multiple` so that the jitted train step sees few distinct shapes.
+
+The learner reads an iteration's trajectories through grain (`minibatch_dataset`): a seeded
+shuffle, cut into minibatches, each packed when it is read.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
+import grain
 import numpy as np
 
 from jaxrl_agent.learner.step import PackedBatch
@@ -118,3 +122,31 @@ def pad_batch(batch: PackedBatch, rows: int, targets: int = 0) -> PackedBatch:
         index = np.asarray(index)
         index = grow(np.pad(index, ((0, 0), (0, targets - index.shape[1]))))
     return batch.replace(**padded, target_index=index)
+
+
+def minibatch_sizes(count: int, minibatches: int) -> list[int]:
+    """How `count` trajectories split into `minibatches` parts: near-equal sizes, the larger first
+    (`np.array_split`'s); a part may be 0."""
+    if minibatches < 1:
+        raise ValueError(f"minibatches={minibatches}: expected >= 1")
+    small, extra = divmod(count, minibatches)
+    return [small + (i < extra) for i in range(minibatches)]
+
+
+def minibatch_dataset(trajectories: Sequence[Trajectory], minibatches: int, *, seed: int,
+                      pack_fn: Callable[[list[Trajectory]], PackedBatch]) -> grain.MapDataset:
+    """The learner's reading of the replay buffer's admitted trajectories, as a grain dataset.
+
+    Element i is minibatch i, `pack_fn` of its trajectories: the trajectories in grain's seeded
+    index shuffle, cut into `minibatch_sizes(len(trajectories), minibatches)` consecutive parts. The
+    dataset is lazy (a minibatch is packed when it is read), random-access and deterministic in
+    `seed`, so an iterator's `get_state()` ({'next_index': i}) is its whole position and
+    `set_state` continues from minibatch i with the same contents. Each process reads its own
+    buffer's trajectories (the replay is sharded by process); `learner.global_batch` joins them.
+    """
+    shuffled = grain.MapDataset.source(list(trajectories))
+    if len(shuffled):
+        shuffled = shuffled.shuffle(seed=seed)
+    bounds = np.cumsum([0, *minibatch_sizes(len(shuffled), minibatches)])
+    return grain.MapDataset.range(minibatches).map(
+        lambda i: pack_fn([shuffled[j] for j in range(bounds[i], bounds[i + 1])]))

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxrl_agent.replay import PartialRollout, ReplayBuffer, Trajectory, pack, validate
+from jaxrl_agent.replay import (PartialRollout, ReplayBuffer, Trajectory, minibatch_dataset, minibatch_sizes, pack,
+                                validate)
 
 
 def _traj(n=10, generated=(5, 6, 7), seed=0, **overrides):
@@ -95,7 +96,6 @@ def test_groups_with_finished_and_suspended_episodes_round_trip_exactly():
     assert [t.length for t in group] == [30, 10] and restored.tokens == 10
     with pytest.raises(ValueError, match="finished twice"):
         restored.finish(second, 2, _traj())
-    assert [t.task_id for t in restored.as_grain_dataset([])] == []
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -127,6 +127,50 @@ def test_memory_stays_within_the_token_capacity_under_heavy_tailed_lengths(seed)
     assert buffer.evicted_groups == evicted_seen > 0 and buffer.evicted_tokens > 0
     assert buffer.peak_tokens <= capacity
     assert len(buffer) + taken + evicted_seen == len(opened)  # every group accounted for
+
+
+@pytest.mark.parametrize("count,minibatches", [(10, 4), (3, 5), (0, 2), (8, 1)])
+def test_minibatch_sizes_split_as_array_split(count, minibatches):
+    assert minibatch_sizes(count, minibatches) == [len(p) for p in np.array_split(np.arange(count), minibatches)]
+
+
+def test_minibatch_sizes_reject_no_minibatches():
+    with pytest.raises(ValueError, match="minibatches=0"):
+        minibatch_sizes(4, 0)
+
+
+def test_the_learner_reads_its_minibatches_through_grain_each_trajectory_once():
+    """`minibatch_dataset`: every trajectory in exactly one minibatch, parts of `minibatch_sizes`,
+    packed as `pack` packs them; the same seed gives the same minibatches, another seed another
+    order; an iterator restored from `get_state()` continues with the same next minibatches."""
+    trajectories = [_traj(n=8 + i, generated=(2, 3), seed=i) for i in range(11)]
+
+    def ids(seed):
+        dataset = minibatch_dataset(trajectories, 3, seed=seed, pack_fn=lambda part: [t.task_id for t in part])
+        return [list(part) for part in dataset]
+
+    parts = ids(7)
+    assert [len(p) for p in parts] == minibatch_sizes(11, 3)
+    assert sorted(i for p in parts for i in p) == sorted(t.task_id for t in trajectories)
+    assert ids(7) == parts and ids(8) != parts
+
+    def packed(part):
+        return pack(part, 40)[0]
+
+    dataset = minibatch_dataset(trajectories, 3, seed=7, pack_fn=packed)
+    by_id = {t.task_id: t for t in trajectories}
+    np.testing.assert_array_equal(dataset[1].tokens, packed([by_id[i] for i in parts[1]]).tokens)
+    iterator = iter(dataset.to_iter_dataset())
+    next(iterator)
+    state = iterator.get_state()
+    expected = [b.tokens for b in iterator]
+    restored = iter(minibatch_dataset(trajectories, 3, seed=7, pack_fn=packed).to_iter_dataset())
+    restored.set_state(state)
+    got = [b.tokens for b in restored]
+    assert len(got) == len(expected) == 2
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    assert [list(p) for p in minibatch_dataset([], 2, seed=0, pack_fn=list)] == [[], []]
 
 
 def test_packing_keeps_every_token_and_separates_segments():
