@@ -247,3 +247,37 @@ def test_workers_do_not_outlive_a_killed_server():
     process.wait()
     assert pool_lib.wait_for(lambda: not os.path.exists(f"/proc/{worker}") or
                              open(f"/proc/{worker}/stat").read().split()[2] == "Z", timeout=5.0)
+
+
+def test_a_fleet_balances_episodes_and_a_lost_server_ends_only_its_own_as_env_crash():
+    """Two env servers as one service (`env.service='host:port,host:port'`): new episodes alternate
+    between them; SIGKILL of one ends its episodes' next step as 'env_crash' through the rollout's
+    ServiceEnv (the others step on), and new episodes fail over to the server that is left."""
+    from jaxrl_agent.rollout.episode import ServiceEnv
+
+    (first, first_port), (second, second_port) = _server(), _server()
+    fleet = remote.RemoteEnvServices([("127.0.0.1", first_port), ("127.0.0.1", second_port)], timeout_s=10.0)
+    try:
+        env = envs.make("calculator")
+        episodes = [ServiceEnv(fleet, "calculator") for _ in range(4)]
+        for i, episode in enumerate(episodes):
+            asyncio.run(episode.reset(env.sample_task(i, 1), i))
+        assert [e.episode_id.split(":")[0] for e in episodes] == ["0", "1", "0", "1"]  # balanced by episode
+        second.kill()
+        second.wait()
+        steps = [asyncio.run(e.step("<answer>1</answer>")) for e in episodes]
+        reasons = [s.info.get("finish_reason") for s in steps]
+        assert reasons[1] == reasons[3] == "env_crash"  # the lost server's episodes, recorded
+        assert "env_crash" not in (reasons[0], reasons[2]) and steps[0].done  # the others answered
+        assert "EnvServiceError" in steps[1].info["error"]
+        failovers = fleet.failovers
+        later = [ServiceEnv(fleet, "calculator") for _ in range(2)]
+        for i, episode in enumerate(later):
+            asyncio.run(episode.reset(env.sample_task(10 + i, 1), i))
+        assert [e.episode_id.split(":")[0] for e in later] == ["0", "0"]  # the live server takes them all
+        assert fleet.failovers == failovers + 1 and fleet.stats["unreachable_servers"] == 1
+    finally:
+        fleet.close()
+        for process in (first, second):
+            process.kill()
+            process.wait()
