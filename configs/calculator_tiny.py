@@ -85,6 +85,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.max_prefill_length = 128  # Longest prompt in tokens (power of two); longer ones are rejected.
     config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
+    # The decode loop's XLA:CPU options (speed only, never tokens): 'auto' = measured on this host
+    # the first time (seconds) and cached beside the compilation cache; 'builtin' = the project's
+    # choice, unmeasured; 'xla_defaults' / 'fast_minmax' / 'small_batch', or 'LARGE,SMALL' of them
+    # for more than 16 decoded rows and at most.
+    config.sampler.decode_options = "auto"
     # Prefix cache: finished requests whose keys/values are kept, so that an episode's next turn
     # (its whole history as the prompt) prefills only the new tokens; 0 = off. Each entry costs
     # 2 * num_layers * num_kv_heads * max_cache_length * head_dim activations (128 KiB here).

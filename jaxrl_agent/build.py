@@ -154,10 +154,12 @@ def stop_token_ids(config, tok: tokenizer_lib.Tokenizer) -> tuple[int, ...]:
 
 
 def build_engine(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *, version: int = 0):
-    """The JetStream engine for the sampler section of the config."""
+    """The JetStream engine for the sampler section of the config, with the decode options chosen
+    for this host (`sampler.decode_options`; `engine.decode_choice` says which and how)."""
+    from jaxrl_agent.sampling import host_tuning
     from jaxrl_agent.sampling.engine import AgentEngine
 
-    return AgentEngine(
+    engine = AgentEngine(
         model_config, params, tok, stop_token_ids=stop_token_ids(config, tok),
         max_concurrent_decodes=config.sampler.max_concurrent_decodes,
         max_prefill_length=config.sampler.max_prefill_length,
@@ -166,6 +168,16 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
         prefix_cache_entries=config.sampler.prefix_cache_entries,
         version=version, seed=config.seed,
     )
+    host_tuning.tune_engine(engine, config.sampler.decode_options,
+                            cache_path=host_tuning.host_choices_path(config.get("compilation_cache_dir", "")))
+    return engine
+
+
+def decode_options_record(sampler) -> dict[str, str]:
+    """The in-process engine's decode options for the run's start record ({} for sampler servers,
+    which print their own)."""
+    choice = getattr(getattr(sampler, "engine", None), "decode_choice", None)
+    return {} if choice is None else {"decode_options": choice.describe()}
 
 
 def smoke_forward(config) -> dict:
@@ -638,6 +650,12 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
         need(os.path.isfile(os.path.expanduser(config.sampler.tls_ca_file)),
              f"sampler.tls_ca_file={config.sampler.tls_ca_file!r}: no such file (expected the PEM CA certificate "
              "that signed the sampler servers' certificates)")
+    from jaxrl_agent.sampling import host_tuning
+
+    try:
+        host_tuning.parse_setting(config.sampler.decode_options)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     need(config.sampler.weight_chunk_mb > 0,
          f"sampler.weight_chunk_mb={config.sampler.weight_chunk_mb}: expected > 0 (MiB of a parameter per message)")
     need(config.rollout.top_k >= 0, f"rollout.top_k={config.rollout.top_k}: expected >= 0 (0 = off)")

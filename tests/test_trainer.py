@@ -26,6 +26,7 @@ def tiny_config(workdir):
         "rl.iterations": 2, "eval.every": 1, "eval.tasks_per_difficulty": 2, "learner.row_length": 256,
         "env.eval_difficulties": "1,4", "workdir": str(workdir),
         "learner.target_multiple": 16,  # the real-model configs' path: logits at trained positions only
+        "sampler.decode_options": "builtin",  # nothing measured per test (tests/sampling/test_host_tuning.py does)
     }
     for key, value in overrides.items():
         *sections, field = key.split(".")
@@ -43,6 +44,7 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     records = [json.loads(line) for line in open(path)]
     stages = [r["stage"] for r in records]
     assert stages[:2] == ["start", "initial_eval"]
+    assert records[0]["decode_options"] == "large=fast_minmax small=small_batch (builtin)"
     assert stages.count("sft") == 3 and "sft_eval" in stages
     assert stages.count("rl") == 2 and stages.count("rl_eval") == 2
     rl = [r for r in records if r["stage"] == "rl"]
@@ -389,6 +391,8 @@ def test_a_server_pipeline_depth_below_one_is_rejected(tmp_path):
     ({"rollout.max_context": 128, "sampler.max_cache_length": 100, "sampler.max_prefill_length": 64},
      "sampler.max_prefill_length=64 is below rollout.max_context=128 - 1"),
     ({"rollout.max_context": 120, "sampler.max_cache_length": 100}, "sampler.max_cache_length=100 is below"),
+    ({"sampler.decode_options": "fastest"}, "sampler.decode_options='fastest': expected 'auto', 'builtin'"),
+    ({"sampler.decode_options": "small_batch,xla_defaults,fast_minmax"}, "or 'LARGE,SMALL' of them"),
 ])
 def test_bad_sampler_fleet_settings_are_rejected(tmp_path, overrides, message):
     config = tiny_config(tmp_path)

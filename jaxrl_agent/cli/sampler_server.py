@@ -36,6 +36,7 @@ def main(argv):
     del argv
     import asyncio
     import logging
+    import sys
 
     # JetStream logs every decode step at INFO on the root logger.
     logging.getLogger().setLevel(logging.WARNING)
@@ -58,6 +59,7 @@ def main(argv):
     # programs, so the two share persistent-cache entries.
     model_config, params = build.build_model(config, build.build_mesh(config))
     engine = build.build_engine(config, model_config, params, build.build_tokenizer(config))
+    print(f"decode options: {engine.decode_choice.describe()}", file=sys.stderr, flush=True)
     default = engine_lib.SamplingParams(temperature=config.sampler.default_temperature)
 
     def ready(port):

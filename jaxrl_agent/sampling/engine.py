@@ -23,7 +23,8 @@ import functools
 import logging
 import math
 import threading
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -58,6 +59,8 @@ MIN_DECODE_ROWS = 8
 #    step at 8 rows, 0.93-0.99 at 16 (by the machine's state). From 32 rows up the same options are
 #    ~20-30% slower than YNNPACK's threaded products.
 #  `python benchmarks/sampler_throughput.py --compare_options` measures all three sets.
+#  What is fastest differs by CPU: `sampling.host_tuning` measures these sets on the host the
+#  first time (`sampler.decode_options='auto'`) and caches its choice; these are the built-in one.
 SMALL_DECODE_ROWS = 16
 CPU_DECODE_COMPILER_OPTIONS = {"xla_cpu_enable_fast_min_max": True}
 CPU_SMALL_DECODE_COMPILER_OPTIONS = {
@@ -65,6 +68,11 @@ CPU_SMALL_DECODE_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "",
     "xla_cpu_multi_thread_eigen": False,
 }
+# The named option sets a host may choose from, for the decode loop at more than SMALL_DECODE_ROWS
+# rows ('large') and at most ('small'); `builtin` is (fast_minmax, small_batch).
+DECODE_OPTION_SETS = {"xla_defaults": {}, "fast_minmax": CPU_DECODE_COMPILER_OPTIONS,
+                      "small_batch": CPU_SMALL_DECODE_COMPILER_OPTIONS}
+BUILTIN_DECODE_OPTIONS = ("fast_minmax", "small_batch")
 
 
 @functools.cache
@@ -185,8 +193,10 @@ class AgentEngine(engine_api.Engine):
       prefix_cache_entries: M, finished sequences whose keys/values are kept (in the decode
         state) so that a prompt continuing one prefills only its new tokens; 0 = off.
       decode_compiler_options: XLA:CPU options of the decode loop for every row count (`{}` = XLA's
-        defaults); None = the measured choice per row count (`CPU_DECODE_COMPILER_OPTIONS`,
-        `CPU_SMALL_DECODE_COMPILER_OPTIONS`). Ignored off CPU.
+        defaults), or a pair (options above SMALL_DECODE_ROWS rows, options at most); None = the
+        built-in choice per row count (`CPU_DECODE_COMPILER_OPTIONS`,
+        `CPU_SMALL_DECODE_COMPILER_OPTIONS`). Ignored off CPU. `set_decode_compiler_options`
+        changes them later (`sampling.host_tuning` does, with the host's measured choice).
     """
 
     def __init__(self, config: models.ModelConfig, params, tokenizer, *, max_concurrent_decodes: int = 8,
@@ -232,14 +242,46 @@ class AgentEngine(engine_api.Engine):
         self._prefill_insert_fn = jax.jit(functools.partial(_prefill_insert_many, config, seed), donate_argnums=(1,))
         self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,))
         self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
-        generate = functools.partial(_generate, config, steps_per_call, jnp.asarray(self.stop_token_ids, jnp.int32))
-        options, small_options = ((CPU_DECODE_COMPILER_OPTIONS, CPU_SMALL_DECODE_COMPILER_OPTIONS)
-                                  if decode_compiler_options is None else (decode_compiler_options,) * 2)
-        self._generate_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
-                                    compiler_options=cpu_compiler_options(options))
-        self._generate_small_fn = jax.jit(generate, donate_argnums=(2,), static_argnames=("rows",),
-                                          compiler_options=cpu_compiler_options(small_options))
+        self._generate = functools.partial(_generate, config, steps_per_call,
+                                           jnp.asarray(self.stop_token_ids, jnp.int32))
+        self._decode_fns: dict[tuple, Callable] = {}  # one jitted decode loop per option set
+        if decode_compiler_options is None:
+            decode_compiler_options = tuple(DECODE_OPTION_SETS[name] for name in BUILTIN_DECODE_OPTIONS)
+        elif isinstance(decode_compiler_options, dict):
+            decode_compiler_options = (decode_compiler_options,) * 2
+        self.set_decode_compiler_options(*decode_compiler_options)
         self._prefill_count = 0
+
+    def _decode_fn(self, options: dict[str, Any]) -> Callable:
+        """The jitted decode loop under XLA:CPU `options` (compiled once per option set and shape)."""
+        key = tuple(sorted(options.items()))
+        if key not in self._decode_fns:
+            self._decode_fns[key] = jax.jit(self._generate, donate_argnums=(2,), static_argnames=("rows",),
+                                            compiler_options=cpu_compiler_options(options))
+        return self._decode_fns[key]
+
+    def set_decode_compiler_options(self, large: dict[str, Any], small: dict[str, Any]) -> None:
+        """The decode loop's XLA:CPU options above SMALL_DECODE_ROWS decoded rows (`large`) and at
+        most (`small`). They change speed, never tokens."""
+        with self._lock:
+            self._generate_fn, self._generate_small_fn = self._decode_fn(large), self._decode_fn(small)
+
+    def decode_step_seconds(self, options: dict[str, Any], rows: int, *, calls: int = 3) -> float:
+        """Seconds per decode step of `calls` generate calls under `options`, `rows` slots decoded
+        (all active, on a scratch decode state; compiled and warmed up first). For measuring option
+        sets on this host (`sampling.host_tuning`); the engine's own decode state is not touched."""
+        fn = self._decode_fn(options)
+        with self._lock:
+            params, kernel, version = self._params, self._kernel, self._version
+        state = self.init_decode_state()
+        state = state.replace(active=jnp.ones_like(state.active))
+        state, data = fn(params, kernel, state, np.int32(version), rows=rows)  # compile + warm up
+        jax.block_until_ready(data)
+        start = time.perf_counter()
+        for _ in range(calls):
+            state, data = fn(params, kernel, state, np.int32(version), rows=rows)
+        jax.block_until_ready(data)
+        return (time.perf_counter() - start) / (calls * self.steps_per_call)
 
     # ---------------------------------------------------------------- weights
     @property

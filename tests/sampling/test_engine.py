@@ -238,12 +238,14 @@ def test_greedy_tokens_are_the_first_maximum_and_nan_rows_give_token_zero():
     assert int(token[0]) == 0 and np.isnan(lp[0])  # a valid id; the NaN log-prob is rejected downstream
 
 
+@pytest.mark.parametrize("options", sorted(engine_lib.DECODE_OPTION_SETS))  # any set a host may choose
 @pytest.mark.parametrize("slots, requests", [(4, 3), (32, 20)])  # the small-batch and the general program
-def test_nan_weights_decode_valid_ids_with_nan_logprobs(slots, requests):
-    """The decode programs' compiler options (CPU) let a NaN row's max skip the NaN: whatever id it
-    picks must be a real one, and every log-prob must still be NaN for the replay buffer to reject."""
+def test_nan_weights_decode_valid_ids_with_nan_logprobs(slots, requests, options):
+    """The decode programs' compiler options (CPU) may let a NaN row's max skip the NaN: whatever id
+    it picks must be a real one, and every log-prob must still be NaN for the replay buffer to reject."""
     nan_params = jax.tree.map(lambda p: p * jnp.nan, PARAMS)
-    engine = _engine(params=nan_params, max_concurrent_decodes=slots)
+    engine = _engine(params=nan_params, max_concurrent_decodes=slots,
+                     decode_compiler_options=engine_lib.DECODE_OPTION_SETS[options])
     assert (engine.decode_rows(requests) <= engine_lib.SMALL_DECODE_ROWS) == (slots == 4)
     with LocalSampler(engine) as sampler:
         completions = sampler.generate_many([TOKENIZER.encode(PROMPTS[i % len(PROMPTS)]) for i in range(requests)],
@@ -267,7 +269,8 @@ def test_decode_compiler_options_change_speed_not_tokens():
     prompts = [TOKENIZER.encode(p) for p in PROMPTS[:3]]
     sampling = SamplingParams(temperature=0.0, max_tokens=6)
     runs = []
-    for options in (None, {}, engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS):
+    for options in (None, {}, engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS,
+                    (engine_lib.CPU_SMALL_DECODE_COMPILER_OPTIONS, {})):  # (above 16 rows, at most)
         with LocalSampler(_engine(decode_compiler_options=options)) as sampler:
             runs.append(sampler.generate_many(prompts, sampling))
     for completions in runs[1:]:
