@@ -26,10 +26,14 @@ class ServedBaseline:
                 return line.strip()
         raise RuntimeError(f"baseline exited (code {self.proc.wait()}) before printing {prefix!r}")
 
-    def request(self, n: int) -> list[float]:
+    def request_raw(self, n: int) -> str:
+        """The reply to `n`, after the prefix, as printed."""
         self.proc.stdin.write(f"{n}\n")
         self.proc.stdin.flush()
-        return [float(x) for x in self._read(self.prefix)[len(self.prefix):].split(",")]
+        return self._read(self.prefix)[len(self.prefix):]
+
+    def request(self, n: int) -> list[float]:
+        return [float(x) for x in self.request_raw(n).split(",")]
 
     def close(self) -> None:
         self.proc.stdin.close()
