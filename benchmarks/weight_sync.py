@@ -23,7 +23,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
