@@ -4,7 +4,7 @@
 An episode batch is B episodes of `TURNS` assistant turns: a 16-token prompt, then per turn t a reply
 of `reply_lengths[t]` tokens (16-64, the same for every episode of the batch, so that a sampler that
 decodes the batch in lockstep wastes nothing) and, between turns, a tool result of 10-40 random
-tokens per episode. Each turn's prompt is the whole history so far. Deterministic in (batch, seed).
+tokens per episode. Each turn's prompt is the whole history so far. Deterministic in its seeds.
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ class EpisodeBatch:
         return self.batch * sum(self.reply_lengths)
 
 
-def episode_batch(batch: int, seed: int = 0) -> EpisodeBatch:
-    rng = np.random.RandomState(seed)
-    prompts = [rng.randint(*VOCAB, PROMPT_LENGTH).tolist() for _ in range(batch)]
-    replies = [int(rng.randint(REPLY_TOKENS[0], REPLY_TOKENS[1] + 1)) for _ in range(TURNS)]
-    tools = [[rng.randint(*VOCAB, rng.randint(TOOL_TOKENS[0], TOOL_TOKENS[1] + 1)).tolist() for _ in range(batch)]
+def episode_batch(batch: int, seed: int = 0, ids_seed: int = 0) -> EpisodeBatch:
+    """The lengths (reply and tool-result lengths) are drawn from `seed`, the token ids from
+    `ids_seed`: batches of one `seed` have the same shapes (compiled once by both samplers) and,
+    with new `ids_seed`s, new prompts, as new episodes have (a prefix cache never holds them)."""
+    lengths, ids = np.random.RandomState(seed), np.random.RandomState(1_000_003 + ids_seed)
+    prompts = [ids.randint(*VOCAB, PROMPT_LENGTH).tolist() for _ in range(batch)]
+    replies = [int(lengths.randint(REPLY_TOKENS[0], REPLY_TOKENS[1] + 1)) for _ in range(TURNS)]
+    tools = [[ids.randint(*VOCAB, lengths.randint(TOOL_TOKENS[0], TOOL_TOKENS[1] + 1)).tolist() for _ in range(batch)]
              for _ in range(TURNS - 1)]
     return EpisodeBatch(prompts, replies, tools)
 

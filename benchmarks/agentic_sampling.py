@@ -49,8 +49,10 @@ def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool) -> L
     return LocalSampler(engine)
 
 
-def play(sampler: LocalSampler, plan: agentic_plan.EpisodeBatch) -> tuple[int, float]:
-    """(tokens generated, seconds) of one episode batch."""
+def play(sampler: LocalSampler, batch: int, ids_seed: int) -> tuple[int, float]:
+    """(tokens generated, seconds) of one episode batch (new ids, the plan's lengths)."""
+    plan = agentic_plan.episode_batch(batch, ids_seed=ids_seed)
+
     def sample(histories, n):
         completions = sampler.generate_many(histories, SamplingParams(temperature=0.0, max_tokens=n))
         return [c.token_ids for c in completions]
@@ -75,26 +77,26 @@ def main() -> None:
     samplers, tunix = {}, {}
     results = {(b, arm): [] for b in batches for arm in arms}  # (tokens, seconds) per episode batch
     ratios = {b: [] for b in batches}
+    seeds = iter(range(1, 10**9))  # every episode batch has new token ids
     try:
         for b in batches:
-            plan = agentic_plan.episode_batch(b)
             samplers[b] = {"ours": our_sampler(config, params, b, args.steps_per_call, True),
                            "ours, no prefix cache": our_sampler(config, params, b, args.steps_per_call, False)}
-            for sampler in samplers[b].values():
-                play(sampler, plan)  # compile every shape the plan meets
+            for sampler in samplers[b].values():  # compile every shape the plans meet (a first
+                play(sampler, b, next(seeds))     # episode batch fills the prefix cache, a second
+                play(sampler, b, next(seeds))     # meets it)
             if args.tunix_python:
                 tunix[b] = ServedBaseline(args.tunix_python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"),
                                           ["--agentic", "--batch", str(b)], "tunix_agentic=")
         print(f"decode options here: {samplers[batches[0]]['ours'].engine.decode_choice.describe()}", file=sys.stderr)
         for r in range(args.rounds):
             for b in batches:
-                plan = agentic_plan.episode_batch(b)
                 for arm in arms:
                     if arm == "tunix":
                         runs = tunix[b].request_raw(args.episodes)
                         got = [tuple(float(x) for x in item.split(":")) for item in runs.split(",")]
                     else:
-                        got = [play(samplers[b][arm], plan) for _ in range(args.episodes)]
+                        got = [play(samplers[b][arm], b, next(seeds)) for _ in range(args.episodes)]
                     results[(b, arm)] += got
                 if args.tunix_python:
                     rate = lambda arm: statistics.median(t / s for t, s in results[(b, arm)][-args.episodes:])
