@@ -44,6 +44,9 @@ MIN_BATCHED_PREFILL_BUCKET = 32
 MIN_PREFILL_BUCKET = 16
 # `generate` decodes the first R slots only, R = B/8 or B/4 of the B slots, at least this.
 MIN_DECODE_ROWS = 8
+# ... and attends over the first W cache positions only, W = S/4 or S/2 of the S positions when
+# the live requests' positions stay below it, at least this.
+MIN_DECODE_WINDOW = 64
 
 
 # XLA:CPU options for the decode loop (`generate`). Measured on the benchmark shape (2 layers,
@@ -256,7 +259,7 @@ class AgentEngine(engine_api.Engine):
         """The jitted decode loop under XLA:CPU `options` (compiled once per option set and shape)."""
         key = tuple(sorted(options.items()))
         if key not in self._decode_fns:
-            self._decode_fns[key] = jax.jit(self._generate, donate_argnums=(2,), static_argnames=("rows",),
+            self._decode_fns[key] = jax.jit(self._generate, donate_argnums=(2,), static_argnames=("rows", "window"),
                                             compiler_options=cpu_compiler_options(options))
         return self._decode_fns[key]
 
@@ -275,11 +278,12 @@ class AgentEngine(engine_api.Engine):
             params, kernel, version = self._params, self._kernel, self._version
         state = self.init_decode_state()
         state = state.replace(active=jnp.ones_like(state.active))
-        state, data = fn(params, kernel, state, np.int32(version), rows=rows)  # compile + warm up
+        window = self.max_cache_length
+        state, data = fn(params, kernel, state, np.int32(version), rows=rows, window=window)  # compile + warm up
         jax.block_until_ready(data)
         start = time.perf_counter()
         for _ in range(calls):
-            state, data = fn(params, kernel, state, np.int32(version), rows=rows)
+            state, data = fn(params, kernel, state, np.int32(version), rows=rows, window=window)
         jax.block_until_ready(data)
         return (time.perf_counter() - start) / (calls * self.steps_per_call)
 
@@ -465,19 +469,38 @@ class AgentEngine(engine_api.Engine):
                 return rows
         return b
 
-    def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None):
+    def decode_window(self, live_length: int | None) -> int:
+        """Cache positions a `generate` call attends over when every live request's next token
+        lies below position `live_length`: S/4 or S/2 (at least MIN_DECODE_WINDOW) when the call's
+        `steps_per_call` tokens still fit below it, else all S — three compiled shapes at most."""
+        s = self.max_cache_length
+        if live_length is None:
+            return s
+        for window in (s // 4, s // 2):
+            if MIN_DECODE_WINDOW <= window < s and live_length + self.steps_per_call <= window:
+                return window
+        return s
+
+    def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None,
+                 live_length: int | None = None):
         """`steps_per_call` decode steps. With `live_slots` (every slot holding a request lies below
         it; the caller allocates the lowest free slot first), only the first `decode_rows(live_slots)`
         slots are decoded: a step's cost is per slot decoded — the keys/values it reads, the rows of
         its matmuls, the sampling — not per live request, and most of an iteration's tail, an
         evaluation's end or an asynchronous run's waits on tools have few slots live. The other
-        slots' rows of the result are zero (not valid)."""
+        slots' rows of the result are zero (not valid).
+
+        With `live_length` (every live request's next token — prompt length plus tokens emitted —
+        lies below that position), the steps attend over the first `decode_window(live_length)`
+        cache positions only: the keys and values a step reads, and its softmax, scale with the
+        window, not with the cache's length (a multi-turn episode's early turns are short)."""
         del params
         with self._lock:
             params, kernel, version = self._params, self._kernel, self._version
         rows = self.decode_rows(live_slots)
         generate = self._generate_small_fn if rows <= SMALL_DECODE_ROWS else self._generate_fn
-        state, data = generate(params, kernel, decode_state, np.int32(version), rows=rows)
+        state, data = generate(params, kernel, decode_state, np.int32(version), rows=rows,
+                               window=self.decode_window(live_length))
         k = self.steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                          length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
@@ -621,16 +644,19 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     )
 
 
-def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, version, rows: int):
-    """`steps` decode steps over the first `rows` slots (static); the other slots are left as they are.
-    params: the engine's weights, layers unstacked (see `AgentEngine.__init__`); kernel: the output
-    projection [H, V], or None to derive it from params in the loop."""
-    max_len = state.cache.max_length
-    b = state.next_token.shape[0]
+def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, version, rows: int, window: int):
+    """`steps` decode steps over the first `rows` slots (static), attending over the first `window`
+    cache positions (static; every active slot's positions in this call must lie below it); the
+    other slots and positions are left as they are. params: the engine's weights, layers unstacked
+    (see `AgentEngine.__init__`); kernel: the output projection [H, V], or None to derive it from
+    params in the loop."""
+    b, full = state.next_token.shape[0], state.cache.max_length
+    max_len = window
     per_slot = ("next_token", "next_logprob", "next_version", "position", "generated", "active", "temperature",
                 "top_k", "top_p")
     head = lambda x: x[:rows] if rows < b else x
-    sub = state.replace(cache=models.KVCache(tuple(head(c) for c in state.cache.k), tuple(head(c) for c in state.cache.v)),
+    sub = state.replace(cache=models.KVCache(tuple(head(c)[..., :window] for c in state.cache.k),
+                                             tuple(head(c)[:, :, :window] for c in state.cache.v)),
                         **{f: head(getattr(state, f)) for f in per_slot})
 
     def step(state: DecodeState, _):
@@ -661,9 +687,9 @@ def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, versi
         tokens.T, valid.T.astype(jnp.int32), sub.generated[:, None],
         jax.lax.bitcast_convert_type(logprobs.T.astype(jnp.float32), jnp.int32), versions.T,
     ], axis=1).astype(jnp.int32)
-    if rows == b:
+    if rows == b and window == full:
         return sub, data
-    back = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), 0, axis=0)
+    back = lambda whole, part: jax.lax.dynamic_update_slice(whole, part.astype(whole.dtype), (0,) * whole.ndim)
     state = state.replace(
         cache=models.KVCache(tuple(back(f, p) for f, p in zip(state.cache.k, sub.cache.k)),
                              tuple(back(f, p) for f, p in zip(state.cache.v, sub.cache.v))),

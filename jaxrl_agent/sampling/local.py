@@ -185,7 +185,10 @@ class LocalSampler:
             try:
                 decode_started = time.perf_counter()
                 live = max(slots) + 1
-                state, result = engine.generate(None, state, live_slots=live)
+                # The next token of every live request lies below this position (its prompt and
+                # the tokens emitted so far): the call attends over a cache window that holds them.
+                length = max(len(r.prompt) + len(r.builder.tokens) for r in slots.values())
+                state, result = engine.generate(None, state, live_slots=live, live_length=length)
                 data = np.asarray(result.data)
                 self.stats["decode_seconds"] += time.perf_counter() - decode_started
                 self.stats["live_slots"] += len(slots)

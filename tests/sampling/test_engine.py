@@ -415,6 +415,50 @@ def test_requests_of_different_lengths_through_many_slots_decode_exactly():
     assert max(calls) == 16 and min(calls) == 8  # 12 requests never need more than 16 of the 64 slots
 
 
+def test_decode_windows_attend_over_the_live_positions_only_and_decode_exactly():
+    """`live_length`: a call attends over the first S/4 or S/2 cache positions when every live
+    request's positions fit; requests that grow past a window move to the next one, and every
+    request still equals argmax decoding of the full sequence; a request that fills the whole
+    cache still ends as context_limit."""
+    engine = _engine(max_concurrent_decodes=8, max_prefill_length=128, max_cache_length=256, steps_per_call=3)
+    assert [engine.decode_window(n) for n in (None, 0, 61, 62, 125, 126, 200)] == [256, 64, 64, 128, 128, 256, 256]
+    assert _engine(max_cache_length=128).decode_window(0) == 64  # S/4 = 32 is below MIN_DECODE_WINDOW
+    assert _engine(max_cache_length=64).decode_window(0) == 64  # so are S/4 and S/2: the whole cache
+    windows = []
+    real = engine.generate
+    engine.generate = lambda params, state, **kw: windows.append(engine.decode_window(kw.get("live_length"))) or real(
+        params, state, **kw)
+    forward = jax.jit(models.forward, static_argnums=0)
+
+    def reference(prompt, n):
+        seq, out, lps = list(prompt), [], []
+        for _ in range(n):
+            padded = np.zeros((1, 256), np.int32)
+            padded[0, :len(seq)] = seq
+            logits = forward(CONFIG, PARAMS, jnp.asarray(padded))[0, len(seq) - 1]
+            out.append(int(jnp.argmax(logits)))
+            lps.append(float(jax.nn.log_softmax(logits)[out[-1]]))
+            seq.append(out[-1])
+        return out, lps
+
+    rng = np.random.RandomState(3)
+    requests = [(rng.randint(3, TOKENIZER.vocab_size, length).tolist(), n)
+                for length, n in ((10, 70), (40, 100), (100, 50), (20, 12))]
+    with LocalSampler(engine) as sampler:  # short ones alone first (window 64 -> 128), then all together
+        completions = [sampler.generate_many([p], SamplingParams(temperature=0.0, max_tokens=n))[0]
+                       for p, n in requests[:1]]
+        completions += sampler.generate_many([p for p, _ in requests[1:]], SamplingParams(temperature=0.0, max_tokens=100))
+        full = sampler.generate_many([rng.randint(3, TOKENIZER.vocab_size, 120).tolist()],
+                                     SamplingParams(temperature=0.0, max_tokens=200))[0]
+    assert {64, 128, 256} <= set(windows)  # all three windows were used, the smallest first
+    for (prompt, _), completion in zip(requests, completions):
+        n = len(completion.token_ids)
+        expected, expected_lps = reference(prompt, n)
+        assert list(completion.token_ids) == expected
+        np.testing.assert_allclose(completion.logprobs, expected_lps, atol=1e-5)
+    assert full.finish_reason == "context_limit" and len(full.token_ids) == 256 - 120 + 1  # the last one uncached
+
+
 def test_weight_messages_reassemble_bit_exactly_and_bad_streams_are_named():
     """`weight_messages` -> `WeightAssembly` is the identity on a parameter tree (float32 and
     bfloat16, empty arrays, any chunk size); streams that are short, mixed or corrupt are refused."""
