@@ -152,6 +152,10 @@ class SamplerDriver(orchestrator.Driver):
         index = PrefixIndex(engine.prefix_cache_entries)
         step = 0
         live: set[int] = set()  # slots holding a request (or finished, not yet handed back)
+        # Per live slot, a position its next token cannot pass: the prompt's length, plus
+        # steps_per_call for every call since (a slot advances at most that much per call, whatever
+        # the detokenize thread has seen yet): the call's cache window (engine.decode_window).
+        reach: dict[int, int] = {}
         while self.live:
             free = []
             while True:
@@ -160,6 +164,8 @@ class SamplerDriver(orchestrator.Driver):
                 except queue.Empty:
                     break
             live.difference_update(free)
+            for slot in free:
+                reach.pop(slot, None)
             # Lowest slots first (popped from the end): live requests stay packed at the front, and
             # a generate call decodes only as many slots as the highest live one needs.
             free.sort(reverse=True)
@@ -207,6 +213,7 @@ class SamplerDriver(orchestrator.Driver):
                     request.complete = np.zeros((engine.samples_per_slot,), np.bool_)
                     detokenize.put((slot, request), block=True)
                     live.add(slot)
+                    reach[slot] = len(request.prompt_ids)
                     idle = False
                 self.stats["admit_seconds"] += time.perf_counter() - admit_started
             for slot in free:
@@ -218,7 +225,10 @@ class SamplerDriver(orchestrator.Driver):
                 if not self.live:
                     return
             live_slots = max(live) + 1 if live else None
-            decode_state, result = engine.generate(None, decode_state, live_slots=live_slots)
+            decode_state, result = engine.generate(None, decode_state, live_slots=live_slots,
+                                                   live_length=max((reach[s] for s in live), default=None))
+            for slot in live:
+                reach[slot] += engine.steps_per_call
             result.copy_to_host_async()
             self.stats["decode_seconds"] += time.perf_counter() - decode_started
             self.stats["generate_calls"] += 1

@@ -151,6 +151,22 @@ def test_stock_jetstream_decode_and_our_client_give_greedy_tokens_concurrently(s
         assert ids == [t for t in expected if t != TOKENIZER.eos_id]  # JetStream does not stream stop tokens
 
 
+def test_a_long_generation_crosses_the_decode_windows_exactly(servers):
+    """The server's calls attend over cache windows of 64, then 128, then all 256 positions as a
+    request grows (its bound: the prompt plus steps_per_call per call): the tokens stay greedy's."""
+    prompt = TOKENIZER.encode(PROMPTS[0])
+
+    async def run():
+        client = SamplerClient([servers[0][1]])
+        completion = await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=150))
+        await client.close()
+        return completion
+
+    completion = _run(servers, run())
+    assert len(prompt) + 150 > 128  # the last calls need the whole cache
+    assert list(completion.token_ids) == greedy_reference(prompt, 150)
+
+
 def test_prompts_that_do_not_fit_are_rejected(servers):
     address = servers[0][1]
 
