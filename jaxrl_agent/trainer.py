@@ -321,7 +321,9 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
             run.log("summary", run.version, summary, global_step=run.global_step, console=(
                 f"held-out success (greedy pass@1, levels {config.env.train_difficulties}): after SFT "
                 f"{summary['after_sft/success']:.3f} -> final {summary['final/success']:.3f} "
-                f"({summary['gain_points']:+.1f} points)"))
+                f"({summary['gain_points']:+.1f} points"
+                + (f"; +15 after {summary['seconds_to_15_points'] / 60:.1f} min" if "seconds_to_15_points" in summary
+                   else "") + ")"))
     finally:
         run.close()
     return run.writer.path

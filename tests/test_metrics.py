@@ -109,3 +109,20 @@ def test_context_metrics_count_edits_sequences_and_success_by_edits():
                             policy_version=np.zeros(100, np.int32), reward=1.0, segment_starts=(46,),
                             turns=[{}, {"summary": True, "token_span": [40, 46], "context_edit": "summarize"}, {}])
     assert context_metrics([summarized])["context/summary_token_share"] == 0.6  # 6 of 10 generated tokens
+
+
+def test_time_to_quality_is_the_first_rl_evaluation_that_many_points_over_the_cold_start():
+    records = [{"stage": "start", "time": 100.0},
+               {"stage": "initial_eval", "time": 110.0, "eval/success": 0.0},
+               {"stage": "sft_eval", "time": 150.0, "eval/success": 0.40},
+               {"stage": "rl_eval", "time": 200.0, "eval/success": 0.50},
+               {"stage": "rl_eval", "time": 260.0, "eval/success": 0.55},  # +15.0: reached here
+               {"stage": "rl_eval", "time": 300.0, "eval/success": 0.70}]
+    assert metrics.seconds_to_gain(records, 15.0) == 160.0
+    assert metrics.seconds_to_gain(records, 30.0) == 200.0
+    assert metrics.seconds_to_gain(records, 31.0) is None
+    assert metrics.summarize(records)["seconds_to_15_points"] == 160.0
+    without_sft = [r for r in records if r["stage"] != "sft_eval"]  # the initial evaluation is the start
+    assert metrics.seconds_to_gain(without_sft, 50.0) == 100.0
+    assert "seconds_to_15_points" not in metrics.summarize(records[:4])
+    assert metrics.seconds_to_gain([], 15.0) is None

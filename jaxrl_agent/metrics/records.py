@@ -211,7 +211,26 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         summary[f"after_sft/{name}"] = float(before.get(key, 0.0))
         summary[f"final/{name}"] = float(after[key])
     summary["gain_points"] = 100.0 * (summary.get("final/success", 0.0) - summary.get("after_sft/success", 0.0))
+    reached = seconds_to_gain(records, 15.0)
+    if reached is not None:
+        summary["seconds_to_15_points"] = reached
     return summary
+
+
+def seconds_to_gain(records: Sequence[Mapping[str, Any]], points: float) -> float | None:
+    """Time to quality: wall seconds from the run's first record to the first RL evaluation whose
+    held-out success is `points` above the cold start's (the last `sft_eval`, else the initial
+    evaluation); None if none is. Evaluations are the resolution (`eval.every`)."""
+    if not records:
+        return None
+    cold = [r for r in records if r.get("stage") == "sft_eval"] or [r for r in records if r.get("stage") == "initial_eval"]
+    if not cold:
+        return None
+    bar = float(cold[-1]["eval/success"]) + points / 100.0
+    for record in records:
+        if record.get("stage") == "rl_eval" and float(record["eval/success"]) >= bar - 1e-12:
+            return float(record["time"]) - float(records[0]["time"])
+    return None
 
 
 def console_line(iteration: int, iterations: int, record: Mapping[str, Any], *, seconds: float,
