@@ -1,7 +1,7 @@
 """Context strategies on the long-horizon `chain` environment, at equal RL wall time, one invocation.
 
   python benchmarks/context_strategies.py --workdir /tmp/context_strategies [--rl_minutes 4]
-      [--sft_steps 200] [--strategies none,keep_recent,summarize] [--train_max_edits 3]
+      [--sft_steps 200] [--sft_batch 64] [--strategies none,keep_recent,summarize] [--train_max_edits 3]
 
 For each strategy (`rollout.context`): an SFT cold start on expert demonstrations edited by that
 strategy (configs/chain_tiny.py: `rollout.max_context` = 160 tokens, so chains of 3+ reads outgrow
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--strategies", default="none,keep_recent,summarize")
     parser.add_argument("--sft_steps", type=int, default=200)
+    parser.add_argument("--sft_batch", type=int, default=0, help="Expert episodes per SFT update (0 = the config's).")
     parser.add_argument("--rl_minutes", type=float, default=4.0)
     parser.add_argument("--train_levels", default="1,2,3,4")
     parser.add_argument("--train_max_edits", type=int, default=3)
@@ -67,7 +68,8 @@ def main() -> None:
     args = parser.parse_args()
 
     levels = [int(x) for x in args.train_levels.split(",")]
-    common = [f"--config.sft.steps={args.sft_steps}", f"--config.env.train_difficulties={args.train_levels}",
+    common = [f"--config.sft.steps={args.sft_steps}", *([f"--config.sft.batch_size={args.sft_batch}"] if args.sft_batch else []),
+              f"--config.env.train_difficulties={args.train_levels}",
               f"--config.sft.difficulties={args.train_levels}",
               f"--config.env.eval_difficulties={args.train_levels}", f"--config.seed={args.seed}",
               f"--config.rollout.context_max_edits={args.train_max_edits}", "--config.metrics.tensorboard=False",
