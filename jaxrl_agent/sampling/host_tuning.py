@@ -6,10 +6,10 @@ decoded rows; YNNPACK off and single-threaded Eigen at most) was measured on one
 an AMD EPYC host the same benchmark put the engine at 1.0-1.1x tunix's sampler instead of 1.5x
 (issue 26). So the run chooses on its own host (`sampler.decode_options`):
 
-  'auto'      on CPU, the choice cached for this host, else measured now (a few seconds: each
-              option set timed at the two row counts the engine decodes, in alternating rounds,
-              the fastest median per row count) and cached; off CPU the built-in one (these are
-              XLA:CPU options);
+  'auto'      on CPU, the choice cached for this host, else measured now (seconds: each option
+              set timed at the two row counts the engine decodes, in alternating rounds; per row
+              count the set whose fastest round is fastest) and cached; off CPU the built-in one
+              (these are XLA:CPU options);
   'builtin'   the built-in choice, nothing measured;
   NAME        one of DECODE_OPTION_SETS for every row count; 'LARGE,SMALL' one for each.
 
@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from typing import Any
 
@@ -132,9 +131,11 @@ def _write_cache(path: str | None, key: str, entry: dict) -> None:
 
 
 def measure(engine, *, rounds: int = 3, calls: int = 2) -> dict[str, dict[str, float]]:
-    """{regime: {option set: median ms per decode step}} on this host: 'small' at the fewest rows
-    the engine decodes, 'large' at all its slots (when that is more than SMALL_DECODE_ROWS); the
-    sets alternate within each round, so drift in the machine's state falls on all alike."""
+    """{regime: {option set: fastest round's ms per decode step}} on this host: 'small' at the
+    fewest rows the engine decodes, 'large' at all its slots (when that is more than
+    SMALL_DECODE_ROWS); the sets alternate within each round, so drift in the machine's state falls
+    on all alike, and the fastest round of each counts (other work on the machine only ever adds
+    time, so the minimum is the least disturbed estimate of what a set costs)."""
     rows = {"small": engine.decode_rows(1)}
     if engine.max_concurrent_decodes > engine_lib.SMALL_DECODE_ROWS:
         rows["large"] = engine.max_concurrent_decodes
@@ -143,7 +144,7 @@ def measure(engine, *, rounds: int = 3, calls: int = 2) -> dict[str, dict[str, f
         for regime, n_rows in rows.items():
             for name, options in engine_lib.DECODE_OPTION_SETS.items():
                 times[regime][name].append(1e3 * engine.decode_step_seconds(options, n_rows, calls=calls))
-    return {regime: {name: statistics.median(ts) for name, ts in by_name.items()} for regime, by_name in times.items()}
+    return {regime: {name: min(ts) for name, ts in by_name.items()} for regime, by_name in times.items()}
 
 
 def choose_decode_options(engine, setting: str = "auto", *, cache_path: str | None = None,
