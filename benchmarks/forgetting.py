@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=200)
     parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--override", action="append", default=[],
+                        help="A further --config.x.y=v for both lists (repeatable), e.g. "
+                             "--override=--config.stage.chain.env.train_difficulties=4,5")
     args = parser.parse_args()
     (stage_sft, dir_sft, _), (stage_a, dir_a, env_a), (stage_b, dir_b, env_b) = stage_list()
 
@@ -57,7 +60,7 @@ def main() -> None:
               # end the slower, distilled one first).
               "--config.rl.time_budget_minutes=0",
               f"--config.stage.{stage_a}.rl.iterations={args.iterations}",
-              f"--config.stage.{stage_b}.rl.iterations={args.iterations}"]
+              f"--config.stage.{stage_b}.rl.iterations={args.iterations}", *args.override]
     distilled = os.path.join(args.workdir, "distilled")
     plain = os.path.join(args.workdir, "plain")
     shutil.rmtree(args.workdir, ignore_errors=True)
