@@ -282,7 +282,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.sft.eval_every = 0  # Held-out evaluation every N SFT updates (0 = only after SFT).
 
     config.rl = ml_collections.ConfigDict()
-    # Sample -> learn iterations (2.4-3.7 s each on 2 cores in process, by host): a cap; on slower
+    # Sample -> learn iterations (2.1-3.7 s each on 2 cores in process, by host): a cap; on slower
     # 2-core hosts the time budget below ends RL first (140-230 iterations), on faster ones this cap.
     config.rl.iterations = 250
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
