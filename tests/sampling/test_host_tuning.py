@@ -21,6 +21,13 @@ def _engine(slots=32, **kwargs):
                        max_cache_length=64, steps_per_call=2, stop_token_ids=[], **kwargs)
 
 
+@pytest.fixture(autouse=True)
+def _host_load_unknown(monkeypatch):
+    """Other processes' CPU share reads as unknown (no re-measurement) unless a test says otherwise:
+    the tests beside these (pytest-xdist) would otherwise make it vary from run to run."""
+    monkeypatch.setattr(host_tuning, "_host_busy_seconds", lambda: None)
+
+
 def _fake_times(monkeypatch, fastest):
     """decode_step_seconds that makes `fastest[regime]` the fastest set; counts its calls."""
     calls = []
@@ -93,6 +100,79 @@ def test_the_cache_lies_beside_the_compilation_cache(monkeypatch):
     assert host_tuning.host_choices_path("") is None
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/y/cache")
     assert host_tuning.host_choices_path("/x/xla") == "/y/host_choices.json"
+
+
+def test_others_cpu_share_counts_the_host_busy_time_not_this_processes(monkeypatch):
+    """share = (host busy s - own CPU s) / (wall s x CPUs), clipped to [0, 1]."""
+    clock = {"host": 100.0, "own": 10.0, "wall": 0.0}
+    monkeypatch.setattr(host_tuning, "_host_busy_seconds", lambda: clock["host"])
+    monkeypatch.setattr(host_tuning, "_own_cpu_seconds", lambda: clock["own"])
+    monkeypatch.setattr(host_tuning.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(host_tuning.os, "cpu_count", lambda: 4)
+    probe = host_tuning.CpuShareOfOthers().start()
+    clock.update(host=106.0, own=13.0, wall=2.0)  # 6 busy CPU-seconds on the host, 3 of them ours, in 2 s
+    assert probe.share() == pytest.approx(3.0 / (2.0 * 4))
+    clock.update(host=104.0, own=15.0)  # less than our own work (and clock skew): never below 0
+    assert probe.share() == 0.0
+    clock.update(host=200.0)
+    assert probe.share() == 1.0
+    monkeypatch.setattr(host_tuning, "_host_busy_seconds", lambda: None)
+    assert host_tuning.CpuShareOfOthers().start().share() is None
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs /proc/stat")
+def test_a_busy_process_beside_this_one_reads_as_load(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.undo()  # the real /proc/stat
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
+    try:
+        __import__("time").sleep(0.5)  # the child is running
+        share = host_tuning.other_cpu_share(1.0)
+    finally:
+        busy.kill()
+        busy.wait()
+    # one of the host's CPUs kept busy by another process (other tests may add to it, never remove)
+    assert share is not None and share >= 0.7 / os.cpu_count(), share
+
+
+def test_should_remeasure_only_a_choice_measured_under_load_when_the_host_is_quieter():
+    busy = host_tuning.BUSY_SHARE
+    assert not host_tuning.should_remeasure(0.1, 0.0)  # measured quiet: kept
+    assert not host_tuning.should_remeasure(busy, 0.0)  # at the threshold: quiet enough
+    assert host_tuning.should_remeasure(0.6, 0.05)
+    assert host_tuning.should_remeasure(0.6, busy)  # at most half the old share and not busy itself
+    assert not host_tuning.should_remeasure(0.6, 0.4)  # still busy now
+    assert not host_tuning.should_remeasure(0.4, 0.21)  # not half as busy: no better a measurement
+    assert not host_tuning.should_remeasure(None, 0.0) and not host_tuning.should_remeasure(0.6, None)
+
+
+def test_a_choice_cached_under_load_is_measured_again_once_the_host_is_quiet(tmp_path, monkeypatch):
+    cache = str(tmp_path / "host_choices.json")
+    engine = _engine()
+    key = host_tuning.host_key(engine)
+    loaded = {"large": "xla_defaults", "small": "small_batch", "milliseconds": {}, "other_cpu_share": 0.6}
+    json.dump({key: loaded}, open(cache, "w"))
+    calls = _fake_times(monkeypatch, {"large": "fast_minmax", "small": "small_batch"})
+    # Still busy now: the cached choice stands (and says how it was measured).
+    monkeypatch.setattr(host_tuning, "other_cpu_share", lambda seconds=0.25: 0.5)
+    kept = host_tuning.choose_decode_options(engine, "auto", cache_path=cache)
+    assert (kept.large, kept.source, kept.other_cpu_share) == ("xla_defaults", "cached", 0.6) and not calls
+    assert kept.describe() == ("large=xla_defaults small=small_batch (cached, measured under load: "
+                               "other processes 60% of the CPU)")
+    # Quiet now: measured again, the new choice and its load replace the old.
+    monkeypatch.setattr(host_tuning, "other_cpu_share", lambda seconds=0.25: 0.0)
+    monkeypatch.setattr(host_tuning.CpuShareOfOthers, "share", lambda self: 0.05)  # during the new measurement
+    again = host_tuning.choose_decode_options(engine, "auto", cache_path=cache)
+    assert (again.large, again.small, again.source) == ("fast_minmax", "small_batch", "measured again") and calls
+    saved = json.load(open(cache))[key]
+    assert saved["large"] == "fast_minmax" and saved["other_cpu_share"] == again.other_cpu_share
+    assert again.other_cpu_share == 0.05
+    # Measured quiet: read from the cache from now on, the host's load never probed.
+    monkeypatch.setattr(host_tuning, "other_cpu_share", lambda seconds=0.25: pytest.fail("probed"))
+    assert host_tuning.choose_decode_options(engine, "auto", cache_path=cache).source == "cached"
 
 
 def test_a_real_measurement_on_this_host_chooses_sets_that_decode_the_same_tokens(tmp_path):
