@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import agentic_plan  # noqa: E402
+import launcher_runs  # noqa: E402
 from sampler_throughput import MODEL  # noqa: E402
 from served_baseline import ServedBaseline  # noqa: E402
 
@@ -45,7 +46,7 @@ def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool) -> L
                          max_prefill_length=agentic_plan.CACHE_LENGTH, max_cache_length=agentic_plan.CACHE_LENGTH,
                          steps_per_call=steps, stop_token_ids=[-1],
                          prefix_cache_entries=2 * batch if prefix_cache else 0)
-    host_tuning.tune_engine(engine, "auto", cache_path=host_tuning.host_choices_path("~/.cache/jaxrl_agent/xla"))
+    host_tuning.tune_engine(engine, "auto", cache_path=launcher_runs.host_choices_path())
     return LocalSampler(engine)
 
 

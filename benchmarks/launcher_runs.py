@@ -21,6 +21,17 @@ def launch(workdir: str, flags: list[str], config: str = "calculator_tiny") -> f
     return time.perf_counter() - started
 
 
+def host_choices_path() -> str | None:
+    """Where runs of the default config cache their host choices (beside its compilation cache,
+    or JAX_COMPILATION_CACHE_DIR's): benchmarks that build engines themselves share the runs'."""
+    sys.path.insert(0, ROOT)
+    from jaxrl_agent import config_lib
+    from jaxrl_agent.sampling import host_tuning
+
+    config = config_lib.load_config(os.path.join(ROOT, "configs", "calculator_tiny.py"))
+    return host_tuning.host_choices_path(config.get("compilation_cache_dir", ""))
+
+
 def records(workdir: str) -> list[dict]:
     """The run's metrics.jsonl, one dict per record."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:

@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import learner_step  # noqa: E402
+import launcher_runs  # noqa: E402
 from sampler_throughput import MODEL, _engine  # noqa: E402
 
 from jaxrl_agent import models  # noqa: E402
@@ -136,7 +137,7 @@ def main() -> None:
     for rows in (int(r) for r in args.decode_rows.split(",")):
         engine = _engine(config, params, rows, args.steps_per_call, args.new_tokens)
         choice = host_tuning.tune_engine(engine, "auto",
-                                         cache_path=host_tuning.host_choices_path("~/.cache/jaxrl_agent/xla"))
+                                         cache_path=launcher_runs.host_choices_path())
         options = choice.options[1] if rows <= 16 else choice.options[0]
         engine.decode_step_seconds(options, rows)  # compile
         floors = [decode_floor(rows, engine.max_cache_length, args.steps_per_call, o)

@@ -117,7 +117,7 @@ class CpuShareOfOthers:
     clipped to [0, 1]; None where /proc/stat is unavailable. A measurement of speed is disturbed by
     exactly this (this process's own threads are what is being timed)."""
 
-    def start(self) -> "CpuShareOfOthers":
+    def start(self) -> CpuShareOfOthers:
         self._host, self._own, self._wall = _host_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
         return self
 
