@@ -14,10 +14,23 @@ import numpy as np
 from jaxrl_agent import models, sharding, tokenizer as tokenizer_lib
 
 
+def tokenizer_path(config) -> str:
+    """The run's Hugging Face tokenizer: `tokenizer.path` (a tokenizer.json or its folder), else the
+    checkpoint folder `checkpoint.hf_path`; '' for the built-in character tokenizer."""
+    if config.tokenizer.kind != "hf":
+        return ""
+    return config.tokenizer.path or config.checkpoint.hf_path
+
+
+def tokenizer_folder(config) -> str:
+    """The folder of `tokenizer_path` (where tokenizer_config.json, the chat template and
+    generation_config.json lie); '' for the built-in character tokenizer."""
+    path = tokenizer_path(config)
+    return path if not path or os.path.isdir(path) else os.path.dirname(path)
+
+
 def build_tokenizer(config) -> tokenizer_lib.Tokenizer:
-    kind = config.tokenizer.kind
-    path = config.tokenizer.path or (config.checkpoint.hf_path if kind == "hf" else "")
-    return tokenizer_lib.make_tokenizer(kind, path or None)
+    return tokenizer_lib.make_tokenizer(config.tokenizer.kind, tokenizer_path(config) or None)
 
 
 def build_template(config):
@@ -29,11 +42,9 @@ def build_template(config):
         return tokenizer_lib.make_template(name)
     from jaxrl_agent import chat_template
 
-    path = config.tokenizer.path or config.checkpoint.hf_path
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
     try:
         return chat_template.ChatTemplate.from_folder(
-            folder, options=(("enable_thinking", bool(config.rollout.enable_thinking)),))
+            tokenizer_folder(config), options=(("enable_thinking", bool(config.rollout.enable_thinking)),))
     except chat_template.ChatTemplateError as err:
         raise ConfigError(f"tokenizer.template='model': {err}") from None
 
@@ -143,8 +154,7 @@ def stop_token_ids(config, tok: tokenizer_lib.Tokenizer) -> tuple[int, ...]:
     if len(end) == 1:
         ids.append(end[0])
     ids.append(tok.eos_id)
-    path = config.tokenizer.path or (config.checkpoint.hf_path if config.tokenizer.kind == "hf" else "")
-    folder = path if not path or os.path.isdir(path) else os.path.dirname(path)
+    folder = tokenizer_folder(config)
     generation_file = os.path.join(folder, "generation_config.json") if folder else ""
     if generation_file and os.path.exists(generation_file):
         with open(generation_file) as f:

@@ -36,14 +36,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "generation_config.json")
 
 
-def tokenizer_folder(config) -> str:
-    """The folder of the run's Hugging Face tokenizer ('' for the built-in character tokenizer)."""
-    if config.tokenizer.kind != "hf":
-        return ""
-    path = config.tokenizer.path or config.checkpoint.hf_path
-    return path if os.path.isdir(path) else os.path.dirname(path)
-
-
 def export_at_save(workdir: str, step: int, config, model_config, params) -> str | None:
     """`checkpoint.export_hf`: the checkpoint of `step` as `<workdir>/hf/<step>`. Returns None, or
     the error when the folder could not be written (the checkpoint itself is kept either way)."""
@@ -58,11 +50,11 @@ def export_at_save(workdir: str, step: int, config, model_config, params) -> str
 
 def write_folder(out: str, config, model_config, params, *, max_shard_bytes: int | None = None) -> list[str]:
     """`params` as a Hugging Face folder with the run's tokenizer files; the files copied."""
-    from jaxrl_agent import models
+    from jaxrl_agent import build, models
 
     models.save_hf(out, model_config, params, max_shard_bytes=max_shard_bytes)
     copied = []
-    source = tokenizer_folder(config)
+    source = build.tokenizer_folder(config)
     for name in TOKENIZER_FILES if source else ():
         if os.path.exists(os.path.join(source, name)):
             shutil.copy(os.path.join(source, name), os.path.join(out, name))
