@@ -790,10 +790,12 @@ def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer
 
     'policy' judges with `params` (a frozen copy of the weights RL starts from); a folder with that
     checkpoint (`params` unused). The
-    judge's engine holds prompts of up to a power of two below the model's context less the reply.
+    judge's engine holds prompts of up to a power of two below the model's context less the reply;
+    its decode options are chosen for this host as the policy engine's are (`sampler.decode_options`,
+    for its own decode shape).
     """
     from jaxrl_agent import rewards
-    from jaxrl_agent.sampling import LocalSampler
+    from jaxrl_agent.sampling import LocalSampler, host_tuning
     from jaxrl_agent.sampling.engine import AgentEngine
 
     c = config.reward
@@ -806,6 +808,8 @@ def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer
     engine = AgentEngine(model_config, params, tok, max_concurrent_decodes=config.sampler.max_concurrent_decodes,
                          max_prefill_length=prefill, max_cache_length=prefill + c.judge_max_tokens,
                          steps_per_call=config.sampler.steps_per_call, prefix_cache_entries=0, seed=config.seed + 7)
+    host_tuning.tune_engine(engine, config.sampler.decode_options,
+                            cache_path=host_tuning.host_choices_path(config.get("compilation_cache_dir", "")))
     rubric = tuple(item.strip() for item in c.judge_rubric.split(";") if item.strip()) or rewards.judge.DEFAULT_RUBRIC
     return rewards.RubricJudge(LocalSampler(engine), tok, template, rubric=rubric, max_tokens=c.judge_max_tokens)
 

@@ -334,6 +334,17 @@ def test_a_frozen_policy_judge_and_reward_weights_from_the_config(tmp_path):
         build.validate_config(config)
 
 
+def test_the_judges_engine_decodes_with_the_options_chosen_for_the_host(tmp_path):
+    config = tiny_config(tmp_path)
+    config.reward.judge = "policy"
+    config.sampler.decode_options = "small_batch,xla_defaults"
+    tok = build.build_tokenizer(config)
+    model_config, params = build.build_model(config)
+    judge = build.build_judge(config, model_config, params, tok, build.build_template(config))
+    choice = judge.sampler.engine.decode_choice
+    assert (choice.large, choice.small, choice.source) == ("small_batch", "xla_defaults", "config")
+
+
 def _saved_like_the_policy(config, folder, seed):
     """A Hugging Face folder holding a random model of the policy's shapes (another init seed)."""
     model_config = models.ModelConfig.from_config_dict(config.model)
