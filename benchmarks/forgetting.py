@@ -2,6 +2,8 @@
 
   python benchmarks/forgetting.py --workdir /tmp/forgetting [--distill_coef 0.1] [--iterations 40]
       [--eval_tasks 32]
+  python benchmarks/forgetting.py --workdir /tmp/forgetting --reevaluate_tasks 256
+
 
 configs/stages_tiny.py (its stage list `sft,A,B`, read from the config): SFT on both environments'
 demonstrations, RL on A's environment (calculator), then RL on B's (chain). Stages SFT and A run
@@ -9,6 +11,11 @@ once; stage B then runs twice from A's final policy, with `rl.distill_coef` = `-
 (on-policy distillation from A's policy) and with 0, for the same number of iterations. Each B's
 final policy is evaluated (greedy, held-out, `--eval_tasks` tasks per level) on both environments:
 forgetting is A's success falling from its value after stage A.
+
+`--reevaluate_tasks N` trains nothing: it evaluates the policies a finished invocation left in
+`--workdir` (after SFT, after A, both B's) again, on N held-out tasks per level (the first
+`--eval_tasks` of them the same tasks), and prints the same table: a smaller standard error for the
+same policies.
 """
 
 from __future__ import annotations
@@ -47,11 +54,13 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=200)
     parser.add_argument("--eval_tasks", type=int, default=32, help="Held-out tasks per level.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reevaluate_tasks", type=int, default=0,
+                        help="Train nothing: evaluate a finished invocation's policies on this many tasks per level.")
     parser.add_argument("--override", action="append", default=[],
                         help="A further --config.x.y=v for both lists (repeatable), e.g. "
                              "--override=--config.stage.chain.env.train_difficulties=4,5")
     args = parser.parse_args()
-    (stage_sft, dir_sft, _), (stage_a, dir_a, env_a), (stage_b, dir_b, env_b) = stage_list()
+    (stage_sft, dir_sft, _), (stage_a, dir_a, _), (stage_b, _, _) = stage_list()
 
     common = [f"--config.seed={args.seed}", f"--config.sft.steps={args.sft_steps}",
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.metrics.tensorboard=False",
@@ -63,6 +72,10 @@ def main() -> None:
               f"--config.stage.{stage_b}.rl.iterations={args.iterations}", *args.override]
     distilled = os.path.join(args.workdir, "distilled")
     plain = os.path.join(args.workdir, "plain")
+    if args.reevaluate_tasks:
+        evals = reevaluate(args.workdir, args.reevaluate_tasks)
+        report(args, evals, args.reevaluate_tasks, None)
+        return
     shutil.rmtree(args.workdir, ignore_errors=True)
     seconds = {}
     seconds["distilled"] = launcher_runs.launch(distilled, [*common, f"--config.stage.{stage_b}.rl.distill_coef="
@@ -78,17 +91,46 @@ def main() -> None:
     seconds["plain"] = launcher_runs.launch(plain, [*common, f"--config.stage.{stage_b}.rl.distill_coef=0.0",
                                                     "--config.resume=True"], config="stages_tiny")
 
-    after_a = stage_evals(distilled)[stage_a]
-    rows = [("after SFT", stage_evals(distilled)[stage_sft], None), (f"after stage A ({env_a} RL)", after_a, None)]
-    for name, workdir in (("B with distillation", distilled), ("B without distillation", plain)):
-        b = stage_evals(workdir)[stage_b]
-        b_records = records(os.path.join(workdir, dir_b))
-        rows.append((name, b, b_records))
-    n_a = args.eval_tasks * len([k for k in after_a if k.startswith(f"eval/{env_a}/pass@1/")])
-    n_b = args.eval_tasks * len([k for k in after_a if k.startswith(f"eval/{env_b}/pass@1/")])
-    print(f"\nstages_tiny: SFT {args.sft_steps} updates, then {args.iterations} RL iterations on {env_a} (A), "
-          f"then {args.iterations} on {env_b} (B) with distill_coef {args.distill_coef} or 0; held-out greedy "
-          f"success, {args.eval_tasks} tasks per level\n")
+    evals = {"sft": stage_evals(distilled)[stage_sft], "a": stage_evals(distilled)[stage_a],
+             "distilled": stage_evals(distilled)[stage_b], "plain": stage_evals(plain)[stage_b]}
+    report(args, evals, args.eval_tasks, seconds)
+
+
+def reevaluate(workdir: str, tasks: int) -> dict[str, dict]:
+    """The stage_eval results of a finished invocation's four policies, on `tasks` per level."""
+    from jaxrl_agent import config_lib, stages
+
+    out = {}
+    for key, arm, index in (("sft", "distilled", 0), ("a", "distilled", 1), ("distilled", "distilled", 2),
+                            ("plain", "plain", 2)):
+        config = config_lib.run_config(os.path.join(workdir, arm))
+        listed = stages.stage_configs(config, os.path.join(workdir, arm))
+        levels = stages.environment_levels(listed)
+        _, stage_dir, stage = listed[index]
+        stage.eval.tasks_per_difficulty = tasks
+        out[key] = stages.evaluate_stage(stage, stage_dir, levels)
+        print(f"{key}: " + ", ".join(f"{k} {v:.3f}" for k, v in out[key].items() if k.endswith("success")), flush=True)
+    return out
+
+
+def report(args, evals: dict[str, dict], tasks: int, seconds: dict[str, float] | None) -> None:
+    """The table: each policy's held-out success on A's and B's environments, with standard errors."""
+    from jaxrl_agent import config_lib
+
+    (_, _, _), (stage_a, _, env_a), (stage_b, dir_b, env_b) = stage_list()
+    distilled = os.path.join(args.workdir, "distilled")
+    ran = config_lib.run_config(distilled)  # what the invocation trained (also when re-evaluating it)
+    plain = os.path.join(args.workdir, "plain")
+    after_a = evals["a"]
+    rows = [("after SFT", evals["sft"], None), (f"after stage A ({env_a} RL)", after_a, None)]
+    for name, key, workdir in (("B with distillation", "distilled", distilled),
+                               ("B without distillation", "plain", plain)):
+        rows.append((name, evals[key], records(os.path.join(workdir, dir_b))))
+    n_a = tasks * len([k for k in after_a if k.startswith(f"eval/{env_a}/pass@1/")])
+    n_b = tasks * len([k for k in after_a if k.startswith(f"eval/{env_b}/pass@1/")])
+    print(f"\nstages_tiny: SFT {ran.sft.steps} updates, then {ran.stage[stage_a].rl.iterations} RL iterations on "
+          f"{env_a} (A), then {ran.stage[stage_b].rl.iterations} on {env_b} (B) with distill_coef "
+          f"{ran.stage[stage_b].rl.distill_coef} or 0; held-out greedy success, {tasks} tasks per level\n")
     print(f"| policy | {env_a} success ± s.e. | {env_b} success ± s.e. | distill KL (last B iteration) |")
     print("|---|---|---|---|")
     for name, record, b_records in rows:
@@ -103,8 +145,9 @@ def main() -> None:
         with_d, without = (rows[i][1][f"eval/{env}/success"] for i in (2, 3))
         d = with_d - without
         se = math.sqrt(standard_error(with_d, n) ** 2 + standard_error(without, n) ** 2)
-        print(f"{env} success, distilled - plain: {d:+.3f}" + (f" ({d / se:+.1f} s.e.)" if se > 0 else ""))
-    print(f"wall seconds: distilled list {seconds['distilled']:.0f}, plain B {seconds['plain']:.0f}")
+        print(f"{env} success, distilled - plain: {d:+.3f}" + (f" ({d / se:+.2f} s.e.)" if se > 0 else ""))
+    if seconds:
+        print(f"wall seconds: distilled list {seconds['distilled']:.0f}, plain B {seconds['plain']:.0f}")
 
 
 if __name__ == "__main__":

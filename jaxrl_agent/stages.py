@@ -101,7 +101,7 @@ def _has_checkpoint(stage_dir: str) -> bool:
     return os.path.isdir(folder) and any(name.isdigit() for name in os.listdir(folder))
 
 
-def _environment_levels(configs) -> dict[str, tuple[int, ...]]:
+def environment_levels(configs) -> dict[str, tuple[int, ...]]:
     """Every environment a stage trains on, with the evaluation levels of the last stage using it."""
     from jaxrl_agent import build
 
@@ -155,7 +155,7 @@ def run_stages(config, workdir: str, *, quiet: bool = False, objective=None, rew
                                     "to continue it, or choose another --config.workdir")
     os.makedirs(workdir, exist_ok=True)
     writer = metrics.MetricsWriter(workdir, tensorboard=False, console=metrics.Console(enabled=not quiet))
-    levels = _environment_levels(configs)
+    levels = environment_levels(configs)
     try:
         if not os.path.exists(os.path.join(workdir, "config.json")):
             writer.write_config(config)
