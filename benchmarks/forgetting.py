@@ -6,9 +6,11 @@
 
 
 configs/stages_tiny.py (its stage list `sft,A,B`, read from the config): SFT on both environments'
-demonstrations, RL on A's environment (calculator), then RL on B's (chain). Stages SFT and A run
-once; stage B then runs twice from A's final policy, with `rl.distill_coef` = `--distill_coef`
-(on-policy distillation from A's policy) and with 0, for the same number of iterations. Each B's
+demonstrations, RL on A's environment (calculator), then RL on B's (chain, with a quarter of
+calculator tasks that `rl.distill_envs` trains by distillation alone). Stages SFT and A run once;
+stage B then runs twice from A's final policy, with `rl.distill_coef` = `--distill_coef` (on-policy
+distillation from A's policy, on the calculator tasks) and with 0 (the same tasks sampled, the
+calculator ones not trained), for the same number of iterations. Each B's
 final policy is evaluated (greedy, held-out, `--eval_tasks` tasks per level) on both environments:
 forgetting is A's success falling from its value after stage A.
 

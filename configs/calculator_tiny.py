@@ -335,6 +335,12 @@ def get_config() -> ml_collections.ConfigDict:
     # The teacher: 'initial' (the weights RL starts from: in a stage list, the previous stage's
     # final policy) or a Hugging Face model folder.
     config.rl.teacher = "initial"
+    # Environments of env.mixture trained by distillation alone ('a,b'): their episodes get
+    # advantage 0 and are all kept, and the distillation term covers only them, so an earlier
+    # stage's tasks keep its teacher's behaviour while this stage's own tasks learn from their
+    # rewards undisturbed. With distill_coef 0 they are sampled (their success in the records) and
+    # not trained. '' = distillation on every episode.
+    config.rl.distill_envs = ""
     # Your own objective instead of the named one: 'package.module:name' naming an Objective
     # (losses.make_objective), a function of the rl section (a dict) returning one, or a pure loss
     # with the signature of docs/contracts.md (logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg)

@@ -1,5 +1,6 @@
 """A stage list on the tiny default: SFT on two environments, RL on calculator, then RL on chain
-distilling from the calculator stage's policy (GLM's staged RL with cross-stage distillation).
+distilling from the calculator stage's policy on calculator's own tasks (GLM's staged RL with
+cross-stage distillation).
 
 Run:
   python launch/tpu_run.py --config configs/stages_tiny.py
@@ -28,10 +29,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.stage.sft = ml_collections.ConfigDict({"env": {"mixture": "calculator:1,chain:1"}, "rl": {"iterations": 0}})
     # RL on calculator from the SFT policy.
     config.stage.calculator = ml_collections.ConfigDict({"sft": {"steps": 0}, "rl": {"iterations": 40}})
-    # RL on chain, distilling from the calculator stage's final policy (rl.teacher 'initial').
+    # RL on chain, distilling from the calculator stage's final policy (rl.teacher 'initial') on a
+    # quarter of calculator tasks, which carry no reward signal of their own here (rl.distill_envs):
+    # chain's tasks learn from their rewards alone, calculator's keep the teacher's behaviour.
     config.stage.chain = ml_collections.ConfigDict({
         "sft": {"steps": 0},
-        "env": {"name": "chain", "train_difficulties": "1,2,3", "eval_difficulties": "1,2,3"},
-        "rl": {"iterations": 40, "distill_coef": 0.1},
+        "env": {"name": "chain", "mixture": "chain:3,calculator:1", "train_difficulties": "1,2,3",
+                "eval_difficulties": "1,2,3"},
+        "rl": {"iterations": 40, "distill_coef": 0.1, "distill_envs": "calculator"},
     })
     return config.lock()

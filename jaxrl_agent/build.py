@@ -404,6 +404,11 @@ def import_object(spec: str, key: str):
         raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no {name!r}") from None
 
 
+def distill_envs(config) -> frozenset[str]:
+    """`rl.distill_envs` as a set of environment names (empty: distillation covers every episode)."""
+    return frozenset(split_list(config.rl.get("distill_envs", "")))
+
+
 def split_list(value) -> list[str]:
     """'a, b,,c' -> ['a', 'b', 'c'] (a list or tuple is taken as it is)."""
     if isinstance(value, (list, tuple)):
@@ -712,6 +717,12 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     for name in mixture:
         need(name in envs.registered(), f"env.{'mixture' if config.env.mixture else 'name'}: environment "
              f"{name!r} is not registered (registered: {envs.registered()}; add its module to env.imports)")
+    distilled = distill_envs(config)
+    if distilled:
+        need(distilled <= set(mixture), f"rl.distill_envs={config.rl.distill_envs!r}: expected environments of "
+             f"the mixture {sorted(mixture)} (not in it: {sorted(distilled - set(mixture))})")
+        need(set(mixture) - distilled, f"rl.distill_envs={config.rl.distill_envs!r} covers every environment of "
+             f"the mixture {sorted(mixture)}: expected at least one trained by its rewards")
     remote_envs = env_service_addresses(config)
     if config.env.tls_ca_file:
         need(bool(remote_envs), f"env.tls_ca_file={config.env.tls_ca_file!r} is for remote env servers: expected "

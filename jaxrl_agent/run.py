@@ -219,7 +219,8 @@ def build_run(config, workdir: str, *, quiet: bool = False, objective: losses.Ob
         postprocess=rollout.PostprocessSettings(
             shaping=build.build_reward_shaping(config, reward_fn), advantage_fn=build.build_advantage_fn(config),
             drop_zero_advantage_groups=r.drop_zero_advantage_groups,
-            max_staleness=r.max_staleness if r.schedule == "async" else None, stale_policy=r.stale_policy),
+            max_staleness=r.max_staleness if r.schedule == "async" else None, stale_policy=r.stale_policy,
+            distill_only_envs=build.distill_envs(config), distill=config.rl.distill_coef > 0),
         eval_spec=evaluation.EvalSpec(evals, config.eval.tasks_per_difficulty, config.eval.pass_k),
         train_levels=train, sft_levels=sft, resume=resume, skipped_checkpoints=skipped_checkpoints,
         # Wall time of the run so far: this process since it started building, plus what earlier

@@ -209,7 +209,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         **({"logprobs_fn": logprobs_fn, "current_version": run.version}
            if _every(config.invariants.drift_every, iteration) else {}),
         loss_controls=(run.invariants.controls.entropy_coef, float(run.invariants.controls.icepop), 0.0)
-        if run.invariant_settings.respond else None, summary_weight=config.learner.summary_weight)
+        if run.invariant_settings.respond else None, summary_weight=config.learner.summary_weight,
+        distill_envs=run.postprocess.distill_only_envs)
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if learner_metrics:  # an update was made (by every process: with several, some may have had no rows)

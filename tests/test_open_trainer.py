@@ -469,3 +469,33 @@ def test_distillation_from_the_config_distils_against_the_weights_rl_starts_from
     config.rl.teacher = str(tmp_path / "missing")
     with pytest.raises(build.ConfigError, match="rl.teacher=.*expected 'initial' or a Hugging Face model folder"):
         build.validate_config(config)
+
+
+def test_distillation_on_an_earlier_stages_environment_alone(tmp_path):
+    """rl.distill_envs: chain's episodes are trained by the distillation term alone (all kept, at
+    advantage 0), calculator's by their rewards; the term covers chain's tokens only. With
+    distill_coef 0 chain's episodes are sampled and not trained."""
+    config = _rl_only(tiny_config(tmp_path / "distilled"), iterations=1)
+    config.env.mixture = "calculator:1,chain:1"
+    config.env.train_difficulties = config.env.eval_difficulties = "1"
+    config.rollout.prompts_per_iteration = 4
+    config.rl.distill_coef = 0.5
+    config.rl.distill_envs = "chain"
+    config.rl.teacher = _saved_like_the_policy(config, tmp_path / "teacher", seed=13)  # far from the policy
+    (rl,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    chain_groups = rl["distill_only_groups"]
+    assert chain_groups >= 1 and rl["groups"] + chain_groups == 4  # the signal counts calculator's only
+    assert rl["trained_trajectories"] >= chain_groups * config.rollout.group_size  # every chain episode trained
+    assert rl["distill/kl_k3"] > 1e-2 and rl["distill/loss"] == pytest.approx(0.5 * rl["distill/kl_k3"], rel=1e-4)
+    # Without distillation its episodes are sampled (their outcomes recorded), and not trained.
+    config.rl.distill_coef = 0.0
+    config.workdir = str(tmp_path / "plain")
+    (plain,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    assert plain["distill_only_groups"] >= 1 and "distill/loss" not in plain
+    assert plain["trained_trajectories"] <= plain["groups"] * config.rollout.group_size
+    for value, coef, message in (("kb_search", 0.5, r"rl.distill_envs='kb_search': expected environments of the "
+                                                    r"mixture \['calculator', 'chain'\]"),
+                                 ("chain,calculator", 0.5, r"covers every environment of the mixture")):
+        config.rl.distill_envs, config.rl.distill_coef = value, coef
+        with pytest.raises(build.ConfigError, match=message):
+            build.validate_config(config)

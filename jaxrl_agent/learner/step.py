@@ -46,6 +46,9 @@ class PackedBatch(flax.struct.PyTreeNode):
     # (`invariants.responses.Controls`) — (entropy bonus added to the objective's, IcePop on (1) or
     # off (0), unused). Values, not constants of the compiled step: changing them never recompiles.
     loss_controls: jax.Array | None = None
+    # Optional [B, T] float32: 1 on the generated tokens the distillation term covers (`rl.distill_envs`:
+    # the episodes of those environments); None = every generated token.
+    distill_mask: jax.Array | None = None
 
 
 CONTROL_ENTROPY_BONUS, CONTROL_ICEPOP = 0, 1
@@ -189,7 +192,7 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
                 bonus = jnp.mean(micro.loss_controls[:, CONTROL_ENTROPY_BONUS])
             inputs = losses.LossInputs(mask=mask, advantages=micro.advantages, old_logprobs=micro.old_logprobs,
                                        sampler_logprobs=micro.sampler_logprobs, ref_logprobs=ref, entropy=entropy,
-                                       teacher_logprobs=teacher)
+                                       teacher_logprobs=teacher, distill_mask=micro.distill_mask)
             loss, metrics = objective(logp, inputs)
             if bonus is not None:
                 # The exploration response's entropy bonus: loss -= c * mean entropy of sampled tokens.

@@ -42,7 +42,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
               proximal_logprobs: Callable | None = None, logprobs_fn: Callable | None = None,
               current_version: int | None = None, loss_controls: Sequence[float] | None = None,
-              summary_weight: float = 1.0) -> tuple[TrainState, dict[str, float]]:
+              summary_weight: float = 1.0, distill_envs: frozenset[str] = frozenset()
+              ) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
     new state and the last step's metrics as floats ({} when there is nothing to train on), with
     `update_skipped` the number of this call's steps that were skipped as non-finite,
@@ -54,7 +55,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     `current_version` ('serve_gap_tokens' of them; absent when there are none) and
     'invariants/drift/policy_kl' over all its sampled tokens. `loss_controls`: the step's
     `PackedBatch.loss_controls` row (entropy bonus, IcePop on, 0), put on every row.
-    `summary_weight`: the weight of summary tokens' advantages (`replay.pack`)."""
+    `summary_weight`: the weight of summary tokens' advantages (`replay.pack`); `distill_envs`: the
+    environments whose episodes alone the distillation term covers (`replay.pack`; empty = all)."""
     from jaxrl_agent import replay
 
     # With several processes (jax.distributed) each holds its own trajectories, and the global batch
@@ -70,7 +72,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     dataset = replay.minibatch_dataset(
         trajectories, minibatches, seed=int(rng.randint(0, 2**31 - 1)),
         pack_fn=lambda part: replay.pack(part, row_length, row_multiple=local_row_multiple(row_multiple),
-                                         target_multiple=target_multiple, summary_weight=summary_weight)[0])
+                                         target_multiple=target_multiple, summary_weight=summary_weight,
+                                         distill_envs=distill_envs)[0])
     batches = [global_batch(batch, mesh, loss_controls) for batch, size in zip(dataset, sizes) if size]
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]

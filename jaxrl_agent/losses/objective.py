@@ -48,6 +48,8 @@ class LossInputs(NamedTuple):
       ref_logprobs: frozen reference policy, for KL terms; None if unused.
       entropy: per-token entropy of the current policy (differentiable), for entropy terms.
       teacher_logprobs: frozen teacher policy (a previous stage's), for distillation terms.
+      distill_mask: 1 on the generated tokens distillation terms cover (e.g. only the episodes of
+        an earlier stage's environments); None = every generated token (`mask`'s).
     """
 
     mask: jax.Array
@@ -57,6 +59,7 @@ class LossInputs(NamedTuple):
     ref_logprobs: jax.Array | None = None
     entropy: jax.Array | None = None
     teacher_logprobs: jax.Array | None = None
+    distill_mask: jax.Array | None = None
 
 
 def _field(batch, name: str):
@@ -175,9 +178,10 @@ class KLTerm:
 
 @dataclasses.dataclass(frozen=True)
 class DistillTerm:
-    """coef * reduction(on-policy distillation against batch.teacher_logprobs) over all generated
-    tokens: the reverse KL to a frozen teacher on the student's own samples
-    (`regularizers.distillation_loss`; cross-stage distillation, GLM-4.5 / GLM-5)."""
+    """coef * reduction(on-policy distillation against batch.teacher_logprobs) over the generated
+    tokens `batch.distill_mask` covers (all of them when it is None): the reverse KL to a frozen
+    teacher on the student's own samples (`regularizers.distillation_loss`; cross-stage
+    distillation, GLM-4.5 / GLM-5). With a mask the reduction's token count is the covered tokens'."""
 
     coef: float = 0.1
     reduction: str = "token_mean"
@@ -188,7 +192,8 @@ class DistillTerm:
         teacher = _optional(batch, "teacher_logprobs")
         if teacher is None:
             raise ValueError("a distillation term needs batch.teacher_logprobs (a teacher policy)")
-        full_mask = _field(batch, "mask")
+        covered = _optional(batch, "distill_mask")
+        full_mask = _field(batch, "mask") if covered is None else covered
         values, metrics = regularizers.distillation_loss(logprobs, teacher, full_mask)
         value = self.coef * _reduce(values, full_mask, self.reduction, self.max_len)
         metrics["distill/loss"] = value

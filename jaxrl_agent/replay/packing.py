@@ -21,8 +21,8 @@ from jaxrl_agent.replay.trajectory import Trajectory
 
 
 def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: int = 1,
-         min_rows: int = 1, target_multiple: int = 0, summary_weight: float = 1.0
-         ) -> tuple[PackedBatch, list[list[int]]]:
+         min_rows: int = 1, target_multiple: int = 0, summary_weight: float = 1.0,
+         distill_envs: frozenset[str] | set[str] = frozenset()) -> tuple[PackedBatch, list[list[int]]]:
     """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories, one
     entry per packed sequence).
 
@@ -36,6 +36,9 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
     tokens' term of the loss by w against the action tokens': FoldAct's separate loss on summary
     tokens (against their gradient dilution) as a per-token weight, under the objective's own
     reduction.
+
+    distill_envs (`rl.distill_envs`), when not empty, also fills `distill_mask`: the loss mask on
+    the episodes of those environments, 0 elsewhere (the distillation term covers only them).
     """
     pieces = [(i, a, b) for i, t in enumerate(trajectories) for a, b in t.segments]
     order = sorted(range(len(pieces)), key=lambda p: -(pieces[p][2] - pieces[p][1]))
@@ -63,7 +66,8 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
     shape = (count, row_length)
     out = {name: np.zeros(shape, dtype) for name, dtype in (
         ("tokens", np.int32), ("segment_ids", np.int32), ("positions", np.int32), ("loss_mask", np.int32),
-        ("advantages", np.float32), ("sampler_logprobs", np.float32), ("policy_version", np.int32))}
+        ("advantages", np.float32), ("sampler_logprobs", np.float32), ("policy_version", np.int32),
+        ("distill_mask", np.float32))}
     out["policy_version"][:] = -1
     for r, row in enumerate(members):
         start = 0
@@ -75,6 +79,8 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
             out["positions"][r, sl] = np.arange(n)
             out["loss_mask"][r, sl] = mask
             out["advantages"][r, sl] = t.advantage * mask
+            if t.env in distill_envs:
+                out["distill_mask"][r, sl] = mask
             if summary_weight != 1.0:
                 for lo, hi in t.summary_spans:
                     lo, hi = max(lo, a), min(hi, b)
@@ -87,7 +93,8 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
                         loss_mask=out["loss_mask"], advantages=out["advantages"],
                         sampler_logprobs=out["sampler_logprobs"], old_logprobs=out["sampler_logprobs"].copy(),
                         policy_version=out["policy_version"],
-                        target_index=target_index(out["loss_mask"], target_multiple) if target_multiple > 0 else None)
+                        target_index=target_index(out["loss_mask"], target_multiple) if target_multiple > 0 else None,
+                        distill_mask=out["distill_mask"] if distill_envs else None)
     return batch, rows
 
 
@@ -116,7 +123,7 @@ def pad_batch(batch: PackedBatch, rows: int, targets: int = 0) -> PackedBatch:
 
     padded = {name: grow(np.asarray(getattr(batch, name)), -1 if name == "policy_version" else 0)
               for name in ("tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs",
-                           "old_logprobs", "policy_version")}
+                           "old_logprobs", "policy_version", "distill_mask") if getattr(batch, name) is not None}
     index = batch.target_index
     if index is not None:
         index = np.asarray(index)

@@ -161,6 +161,11 @@ class PostprocessSettings:
     # The async schedule's staleness bound (None = not enforced: sync and windowed FIFO).
     max_staleness: int | None = None
     stale_policy: str = "drop"
+    # `rl.distill_envs`: environments whose episodes carry no policy-gradient term (advantage 0, left
+    # out of the signal statistics): all trained by the distillation term when `distill` is on, else
+    # not trained at all (sampled for their outcomes in the records only).
+    distill_only_envs: frozenset[str] = frozenset()
+    distill: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +181,27 @@ class Processed:
 
 def postprocess(groups: Sequence[Group], settings: PostprocessSettings, *, iteration: int,
                 current_version: int) -> Processed:
-    """Shaping -> staleness -> advantages -> filter, as one pure pass (see the module docstring)."""
+    """Shaping -> staleness -> advantages -> filter, as one pure pass (see the module docstring).
+
+    Groups of `settings.distill_only_envs` skip the advantages and the filter: their trajectories
+    get advantage 0 (no policy-gradient term) and, with `settings.distill`, are all trained, for the
+    distillation term that covers them (`rl.distill_envs`); without it none of them is trained. The
+    signal statistics are the other groups'."""
     shaped = shape_rewards(groups, settings.shaping, iteration)
     stale_dropped = 0
     kept = shaped
     if settings.max_staleness is not None:
         kept, stale_dropped = apply_staleness_to_groups(shaped, current_version, settings.max_staleness,
                                                         settings.stale_policy)
+    distilled = [[dataclasses.replace(t, advantage=0.0) for t in g] for g in kept
+                 if g[0].env in settings.distill_only_envs]
+    if distilled:
+        kept = [g for g in kept if g[0].env not in settings.distill_only_envs]
     with_advantages, signal = assign_advantages(kept, settings.advantage_fn)
     trained_groups = drop_zero_advantage_groups(with_advantages) if settings.drop_zero_advantage_groups \
         else with_advantages
     metrics = {**signal, "stale_dropped": stale_dropped}
-    return Processed(shaped, with_advantages, [t for g in trained_groups for t in g], metrics)
+    if settings.distill_only_envs:
+        metrics["distill_only_groups"] = len(distilled)
+    trained_groups = trained_groups + distilled if settings.distill else trained_groups
+    return Processed(shaped, with_advantages + distilled, [t for g in trained_groups for t in g], metrics)

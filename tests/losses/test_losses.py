@@ -465,3 +465,22 @@ def test_distill_term_is_its_own_loss_term_and_needs_a_teacher():
     np.testing.assert_allclose(float(loss), 0.5 * k3, rtol=1e-5)  # zero advantages: the policy term is 0
     with pytest.raises(ValueError, match="needs batch.teacher_logprobs"):
         objective(lp, inputs._replace(teacher_logprobs=None))
+
+
+def test_the_distill_term_covers_only_the_distill_mask():
+    """Tokens outside distill_mask never change the distillation term; it averages over the covered."""
+    term = L.DistillTerm(coef=1.0)
+    mask = jnp.ones((2, 3), jnp.int32)
+    student = jnp.full((2, 3), -1.0)
+    teacher = jnp.array([[-1.3, -1.3, -1.3], [-5.0, -0.1, -2.0]])
+    covered = jnp.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    inputs = L.LossInputs(mask=mask, advantages=jnp.zeros(2), old_logprobs=student, teacher_logprobs=teacher,
+                          distill_mask=covered)
+    value, _ = term(student, inputs, mask, None)
+    np.testing.assert_allclose(float(value), math.exp(-0.3) - 1 + 0.3, rtol=1e-5)  # row 0's tokens only
+    moved = inputs._replace(teacher_logprobs=teacher.at[1].set(-9.0))
+    np.testing.assert_allclose(float(term(student, moved, mask, None)[0]), float(value), rtol=1e-6)
+    grad = jax.grad(lambda lp: term(lp, inputs, mask, None)[0])(student)
+    assert float(jnp.abs(grad[1]).max()) == 0.0 and float(jnp.abs(grad[0]).min()) > 0
+    everything, _ = term(student, inputs._replace(distill_mask=None), mask, None)
+    assert float(everything) > float(value)  # without a mask row 1's larger gaps count too

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrl_agent.replay import (PartialRollout, ReplayBuffer, Trajectory, minibatch_dataset, minibatch_sizes, pack,
-                                validate)
+                                pad_batch, validate)
 
 
 def _traj(n=10, generated=(5, 6, 7), seed=0, **overrides):
@@ -171,6 +171,21 @@ def test_the_learner_reads_its_minibatches_through_grain_each_trajectory_once():
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
     assert [list(p) for p in minibatch_dataset([], 2, seed=0, pack_fn=list)] == [[], []]
+
+
+def test_the_distill_mask_covers_the_distilled_environments_generated_tokens_only():
+    a = _traj(seed=1, env="calculator")
+    b = _traj(seed=2, env="chain", generated=(3, 4))
+    batch, rows = pack([a, b], row_length=24, distill_envs=frozenset({"calculator"}))
+    mask, covered = np.asarray(batch.loss_mask), np.asarray(batch.distill_mask)
+    seg = np.asarray(batch.segment_ids)
+    (r,) = [i for i, row in enumerate(rows) if row]
+    first = 1 + rows[r].index(0)  # calculator's segment id in its row
+    np.testing.assert_array_equal(covered[r], np.where(seg[r] == first, mask[r], 0))
+    assert covered.sum() == a.generated_tokens and covered.dtype == np.float32
+    assert pack([a, b], row_length=24)[0].distill_mask is None  # none configured: the term covers all
+    padded = pad_batch(batch, rows=4)
+    assert padded.distill_mask.shape == (4, 24) and padded.distill_mask[len(rows):].sum() == 0
 
 
 def test_packing_keeps_every_token_and_separates_segments():

@@ -38,6 +38,27 @@ def test_records_are_frozen_and_inputs_never_change():
     assert len(out.trainable) == 2 and out.metrics["nonzero_advantage_group_share"] == 0.5
 
 
+def test_distill_only_environments_keep_every_episode_at_advantage_zero_outside_the_signal():
+    """rl.distill_envs: an earlier stage's environment's groups are trained (by distillation alone):
+    advantage 0, never filtered as all-equal, not counted in the signal statistics."""
+    a = [dataclasses.replace(_traj(1.0, group="a", i=i), env="calculator") for i in range(2)]  # all correct
+    b = [dataclasses.replace(_traj(r, group="b", i=i), env="chain") for i, r in enumerate((1.0, 0.0))]
+    c = [dataclasses.replace(_traj(r, group="c", i=i), env="calculator") for i, r in enumerate((1.0, 0.0))]
+    settings = pp.PostprocessSettings(distill_only_envs=frozenset({"calculator"}))
+    out = pp.postprocess([a, b, c], settings, iteration=1, current_version=3)
+    assert sorted(t.group_id for t in out.trainable) == ["a", "a", "b", "b", "c", "c"]
+    assert {t.group_id: t.advantage for t in out.trainable if t.env == "calculator"} == {"a": 0.0, "c": 0.0}
+    assert [t.advantage for t in out.trainable if t.env == "chain"] == [0.5, -0.5]
+    assert out.metrics["groups"] == 1 and out.metrics["nonzero_advantage_group_share"] == 1.0
+    assert out.metrics["distill_only_groups"] == 2 and len(out.shaped_groups) == 3
+    # Distillation off: sampled, recorded, never trained.
+    off = pp.postprocess([a, b, c], dataclasses.replace(settings, distill=False), iteration=1, current_version=3)
+    assert sorted(t.group_id for t in off.trainable) == ["b", "b"] and off.metrics == out.metrics
+    # Without it, calculator's mixed group has an advantage and its all-correct group is dropped.
+    plain = pp.postprocess([a, b, c], pp.PostprocessSettings(), iteration=1, current_version=3)
+    assert sorted(t.group_id for t in plain.trainable) == ["b", "b", "c", "c"] and "distill_only_groups" not in plain.metrics
+
+
 def test_staleness_under_the_async_schedule():
     groups = [[_traj(1.0, version=1), _traj(0.0, version=3, i=1)], [_traj(1.0, version=0, group="h")]]
     settings = pp.PostprocessSettings(max_staleness=1, drop_zero_advantage_groups=False)
