@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
         "sft": {"steps": 0},
         "env": {"name": "chain", "mixture": "chain:3,calculator:1", "train_difficulties": "1,2,3",
                 "eval_difficulties": "1,2,3"},
-        "rl": {"iterations": 40, "distill_coef": 0.1, "distill_envs": "calculator"},
+        # learning_rate: the base's; listed so that a run can move B alone (--config.stage.chain.rl.learning_rate).
+        "rl": {"iterations": 40, "distill_coef": 0.1, "distill_envs": "calculator", "learning_rate": 2e-4},
     })
     return config.lock()
