@@ -227,6 +227,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
         groups=processed.shaped_groups, trained=batch, signal=processed.metrics, learner_metrics=learner_metrics,
         sampler=metrics_lib.records.sampler_delta(sampler_before, run.sampler_stats()),
         group_size=config.rollout.group_size, decode=run.tokenizer.decode, trained_version=trained_version,
+        distill_only_envs=run.postprocess.distill_only_envs,
         extra={
             **source_stats, "version": run.version, "learner_step": int(state.step),
             "trained_tokens_total": run.trained_tokens_total,

@@ -161,12 +161,16 @@ def lag_quantiles(lags: np.ndarray) -> dict[str, float]:
 
 
 def iteration_invariants(groups: Sequence[Sequence], trained: Sequence, record: Mapping[str, float], *,
-                         group_size: int, success: Callable[[object], float], lags: np.ndarray) -> dict[str, float]:
+                         group_size: int, success: Callable[[object], float], lags: np.ndarray,
+                         distill_only_envs: frozenset[str] = frozenset()) -> dict[str, float]:
     """The three invariants' metrics of one RL iteration, under 'invariants/{exploration,signal,drift}/'.
 
     groups: the iteration's groups of episodes; trained: the trajectories trained on; record: the
     iteration record so far (its entropy, pass@k, distinct-solution, signal and throughput figures
-    are reused); success: an episode's success; lags: policy lag of every trained token.
+    are reused); success: an episode's success; lags: policy lag of every trained token;
+    distill_only_envs: environments trained by distillation alone (`rl.distill_envs`): their
+    advantages are 0 by construction, so the learning-signal measures (all-correct / all-wrong
+    shares, advantage magnitude) leave them out, as post-processing's signal statistics do.
     """
     entropies = [v for k, v in record.items() if k.startswith("sampled_entropy/")]
     out = {
@@ -176,10 +180,12 @@ def iteration_invariants(groups: Sequence[Sequence], trained: Sequence, record: 
         "invariants/exploration/identical_group_share": identical_group_share([[t.tokens for t in g] for g in groups]),
         "invariants/signal/nonzero_share": record.get("nonzero_advantage_group_share", float("nan"))
         if groups else float("nan"),
-        "invariants/signal/advantage_magnitude": advantage_magnitude(t.advantage for t in trained),
+        "invariants/signal/advantage_magnitude": advantage_magnitude(
+            t.advantage for t in trained if t.env not in distill_only_envs),
         "invariants/signal/effective_samples_per_second": record.get("effective_samples_per_second", 0.0),
         **{f"invariants/drift/lag_{k}": v for k, v in lag_quantiles(lags).items()},
     }
-    shares = outcome_shares_by_difficulty([(g[0].task_id, [success(t) > 0 for t in g]) for g in groups if g])
+    shares = outcome_shares_by_difficulty([(g[0].task_id, [success(t) > 0 for t in g]) for g in groups
+                                           if g and g[0].env not in distill_only_envs])
     out.update({f"invariants/signal/{k}": v for k, v in shares.items()})
     return out

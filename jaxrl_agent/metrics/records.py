@@ -38,7 +38,8 @@ def _mean(values) -> float:
 def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any], signal: Mapping[str, float],
                      learner_metrics: Mapping[str, float], sampler: Mapping[str, float], group_size: int,
                      decode: Callable[[Sequence[int]], str], trained_version: int,
-                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     extra: Mapping[str, Any] | None = None,
+                     distill_only_envs: frozenset[str] = frozenset()) -> dict[str, Any]:
     """One RL iteration's metrics.
 
     Args:
@@ -49,6 +50,7 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
       sampler: the sampler's counters over the iteration (`sampler_delta`).
       trained_version: the policy version the learner trained at (for the lag of each token).
       extra: schedule position, timings and counts the trainer knows.
+      distill_only_envs: `rl.distill_envs` (left out of the learning-signal invariants).
     """
     episodes = [t for g in groups for t in g]
     successes = [[success(t) > 0 for t in g] for g in groups]
@@ -98,7 +100,7 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
     record.update(context_metrics(episodes))
     record.update(extra or {})
     record.update(invariants.iteration_invariants(groups, trained, record, group_size=group_size, success=success,
-                                                  lags=lag))
+                                                  lags=lag, distill_only_envs=distill_only_envs))
     return record
 
 

@@ -195,8 +195,7 @@ def postprocess(groups: Sequence[Group], settings: PostprocessSettings, *, itera
                                                         settings.stale_policy)
     distilled = [[dataclasses.replace(t, advantage=0.0) for t in g] for g in kept
                  if g[0].env in settings.distill_only_envs]
-    if distilled:
-        kept = [g for g in kept if g[0].env not in settings.distill_only_envs]
+    kept = [g for g in kept if g[0].env not in settings.distill_only_envs]
     with_advantages, signal = assign_advantages(kept, settings.advantage_fn)
     trained_groups = drop_zero_advantage_groups(with_advantages) if settings.drop_zero_advantage_groups \
         else with_advantages

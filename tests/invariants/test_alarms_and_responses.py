@@ -116,6 +116,27 @@ def test_measures():
     assert measures.lag_quantiles(np.array([0, 0, 1, 4]))["max"] == 4.0
 
 
+def test_distill_only_groups_stay_out_of_the_learning_signal_measures():
+    """`rl.distill_envs` groups have advantage 0 by construction: counting them would read as a
+    weaker signal (and all-correct ones would set levels aside) where the RL groups are fine."""
+    import types
+
+    def group(env, level, successes, advantages):
+        return [types.SimpleNamespace(env=env, task_id=f"{env}/{level}/0", tokens=[i], advantage=a, success=s)
+                for i, (s, a) in enumerate(zip(successes, advantages))]
+
+    rl = group("chain", 1, [1.0, 0.0], [1.0, -1.0])
+    distilled = group("calculator", 1, [1.0, 1.0], [0.0, 0.0])
+    measure = lambda **kw: measures.iteration_invariants([rl, distilled], rl + distilled, {}, group_size=2,
+                                                         success=lambda t: t.success, lags=np.zeros(0), **kw)
+    left_out = measure(distill_only_envs=frozenset({"calculator"}))
+    assert left_out["invariants/signal/all_correct"] == 0.0 and left_out["invariants/signal/all_wrong"] == 0.0
+    assert left_out["invariants/signal/advantage_magnitude"] == pytest.approx(1.0)
+    counted = measure()  # without the setting both groups count (what the trainer did before)
+    assert counted["invariants/signal/all_correct"] == 0.5
+    assert counted["invariants/signal/advantage_magnitude"] == pytest.approx(0.5)
+
+
 def test_the_plot_shades_the_iterations_an_alarm_was_on():
     from jaxrl_agent import plot
 
