@@ -196,6 +196,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.delegate_max_depth = 1  # Levels of sub-agents (1 = sub-agents cannot delegate).
     config.rollout.delegate_max_subagents = 4  # Sub-agent episodes per orchestrator episode, all levels.
     config.rollout.delegate_token_budget = 1024  # Tokens all of an episode's sub-agents may sample together.
+    # The sub-agents' sampling temperature in training (-1 = the orchestrator's; 0 = greedy; never
+    # above the orchestrator's, so evaluation's sub-agents are greedy). Frozen sub-agents learn
+    # nothing from exploring: their sampled mistakes are only noise in the orchestrator's reward.
+    config.rollout.delegate_temperature = -1.0
     config.rollout.drop_zero_advantage_groups = True  # All-equal groups carry no gradient (DAPO filter).
     # 'sync' (on-policy barrier), 'windowed_fifo' (MiniMax) or 'async' (bounded staleness).
     config.rollout.schedule = "sync"

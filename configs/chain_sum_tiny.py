@@ -30,6 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.delegate = "initial"  # Sub-agents: the SFT policy, frozen.
     config.rollout.delegate_max_subagents = 3  # One per chain.
     config.rollout.delegate_token_budget = 512  # A chain of two reads takes ~45 sampled tokens.
+    # Greedy sub-agents in RL: sampled at the orchestrator's temperature 1 they read a chain right
+    # ~72% of the time (greedy: 80-98%), and their mistakes, which no update can fix, were most of the
+    # orchestrator's reward noise (benchmarks/RESULTS.md, delegation's third attempt).
+    config.rollout.delegate_temperature = 0.0
     config.rollout.max_context = 240  # Inline, two chains of two reads need ~255 tokens; delegating ~185.
     config.rollout.max_turns = 10  # Inline: every read, the calc and the answer.
     config.rollout.max_tokens_per_turn = 64  # A reply delegating three chains is ~61 tokens.

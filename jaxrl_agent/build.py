@@ -753,6 +753,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"rollout.delegate={delegate!r}: expected '' (no sub-agents), 'initial' or a Hugging Face model folder")
     for key in ("delegate_max_depth", "delegate_max_subagents", "delegate_token_budget"):
         need(config.rollout[key] >= 1, f"rollout.{key}={config.rollout[key]}: expected >= 1")
+    sub_temperature = config.rollout.get("delegate_temperature", -1.0)
+    need(sub_temperature == -1.0 or sub_temperature >= 0.0,
+         f"rollout.delegate_temperature={sub_temperature}: expected -1 (the orchestrator's) or >= 0 (0 = greedy)")
     need(config.env.tool_latency_s <= 0 or config.env.service == "inprocess",
          f"env.tool_latency_s={config.env.tool_latency_s} simulates latency on in-process environments only: "
          f"set env.service='inprocess' (got {config.env.service!r})")
@@ -859,12 +862,20 @@ def build_subagent_sampler(config, model_config: models.ModelConfig, params, tok
     return LocalSampler(build_engine(config, model_config, params, tok))
 
 
+def subagent_temperature(config, temperature: float) -> float:
+    """The sub-agents' sampling temperature beside an orchestrator sampling at `temperature`:
+    `rollout.delegate_temperature` (-1: the orchestrator's), never above the orchestrator's (so
+    a greedy evaluation has greedy sub-agents)."""
+    own = config.rollout.get("delegate_temperature", -1.0)
+    return temperature if own < 0 else min(own, temperature)
+
+
 def build_subagents(config, sampler, make_env, tok: tokenizer_lib.Tokenizer, template, temperature: float):
     """What `delegate` calls run on (`rollout.SubAgents`): `sampler` (`build_subagent_sampler`),
     sub-tasks from the orchestrator's environment's `subtask(parent, text)`, each in the episode
     environment `make_env(task)` gives (a run's: `Environments.make_env`, on its service), sampled
-    at `temperature` (the orchestrator's: greedy in evaluation) with the run's episode settings;
-    limits from `rollout.delegate_*`."""
+    at `subagent_temperature(config, temperature)` (`temperature`: the orchestrator's, greedy in
+    evaluation) with the run's episode settings; limits from `rollout.delegate_*`."""
     from jaxrl_agent import envs
     from jaxrl_agent.rollout import delegation
 
@@ -874,7 +885,8 @@ def build_subagents(config, sampler, make_env, tok: tokenizer_lib.Tokenizer, tem
         task = envs.make(parent.env, **kwargs).subtask(parent, text)
         return task, make_env(task)
 
-    return delegation.SubAgents(sampler=sampler, make_task=make_task, settings=episode_settings(config, temperature),
+    return delegation.SubAgents(sampler=sampler, make_task=make_task,
+                                settings=episode_settings(config, subagent_temperature(config, temperature)),
                                 tokenizer=tok, template=template, limits=delegation_limits(config))
 
 

@@ -96,3 +96,22 @@ def test_sub_agent_weights_stay_frozen_through_rl_and_resume(tmp_path):
         result = agent.run(task, deployed.sampler, envs.make("chain_sum"), tokenizer=deployed.tokenizer,
                            template=deployed.template, settings=deployed.settings)
         assert result.trajectory.env == "chain_sum" and result.trajectory.finish_reason
+
+
+def test_sub_agents_sample_at_their_own_temperature_and_greedily_in_evaluation(tmp_path):
+    """rollout.delegate_temperature: -1 = the orchestrator's; otherwise that, never above the
+    orchestrator's (a greedy evaluation keeps greedy sub-agents); a bad value is a config error."""
+    config = tiny_config(tmp_path)
+    config.rollout.delegate = "initial"
+    sub = lambda temperature: build.build_subagents(config, None, lambda task: None, None, None,
+                                                    temperature).settings.sampling.temperature
+    assert build.build_subagents(config, None, lambda task: None, None, None, 1.0).settings.sampling.max_tokens \
+        == config.rollout.max_tokens_per_turn
+    assert (sub(1.0), sub(0.0)) == (1.0, 0.0)  # the default: the orchestrator's
+    config.rollout.delegate_temperature = 0.0
+    assert (sub(1.0), sub(0.0)) == (0.0, 0.0)
+    config.rollout.delegate_temperature = 0.5
+    assert (sub(1.0), sub(0.3), sub(0.0)) == (0.5, 0.3, 0.0)
+    config.rollout.delegate_temperature = -0.5
+    with pytest.raises(build.ConfigError, match=r"rollout.delegate_temperature=-0.5: expected -1"):
+        build.validate_config(config)
