@@ -62,6 +62,18 @@ def deploy(workdir: str, levels: list[int], tasks: int) -> dict[int, dict[str, f
     return out
 
 
+def chain_sum_success(record: dict) -> float:
+    """An evaluation record's held-out chain_sum success: its own key when the run evaluated
+    several environments (SFT's mixture with chain), `eval/success` when chain_sum was the only one
+    (RL on `--rl_mixture chain_sum:1`)."""
+    if "eval/chain_sum/success" in record:
+        return record["eval/chain_sum/success"]
+    others = [k for k in record if k.startswith("eval/") and k.endswith("/success") and k != "eval/success"]
+    if others:
+        raise KeyError(f"no eval/chain_sum/success among {others}")
+    return record["eval/success"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True)
@@ -101,8 +113,8 @@ def main() -> None:
         rl = [r for r in rs if r["stage"] == "rl"]
         # delegation/per_episode counts every trained episode; per chain_sum episode it is this over
         # the share of chain_sum episodes (1 with the default --rl_mixture).
-        after_sft = next(r for r in rs if r["stage"] == "sft_eval")["eval/chain_sum/success"]
-        final = [r for r in rs if r["stage"] == "rl_eval"][-1]["eval/chain_sum/success"]
+        after_sft = chain_sum_success(next(r for r in rs if r["stage"] == "sft_eval"))
+        final = chain_sum_success([r for r in rs if r["stage"] == "rl_eval"][-1])
         n = args.eval_tasks * len(levels)
         row = {"arm": arm, "iterations": len(rl), "after_sft": after_sft, "final": final,
                "se_sft": standard_error(after_sft, n), "se": standard_error(final, n),
