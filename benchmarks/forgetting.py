@@ -3,6 +3,7 @@
   python benchmarks/forgetting.py --workdir /tmp/forgetting [--distill_coef 0.1] [--iterations 40]
       [--eval_tasks 32]
   python benchmarks/forgetting.py --workdir /tmp/forgetting --reevaluate_tasks 256
+  python benchmarks/forgetting.py --workdir /tmp/forgetting2 --stages_from /tmp/forgetting --distill_coef 0.05
 
 
 configs/stages_tiny.py (its stage list `sft,A,B`, read from the config): SFT on both environments'
@@ -13,6 +14,9 @@ distillation from A's policy, on the calculator tasks) and with 0 (the same task
 calculator ones not trained), for the same number of iterations. Each B's
 final policy is evaluated (greedy, held-out, `--eval_tasks` tasks per level) on both environments:
 forgetting is A's success falling from its value after stage A.
+
+`--stages_from DIR` (a finished invocation with the same flags but `--distill_coef`) copies its SFT
+and A stages and its plain B, and trains only the distilled B: another coefficient from the same A.
 
 `--reevaluate_tasks N` trains nothing: it evaluates the policies a finished invocation left in
 `--workdir` (after SFT, after A, both B's) again, on N held-out tasks per level (the first
@@ -58,6 +62,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reevaluate_tasks", type=int, default=0,
                         help="Train nothing: evaluate a finished invocation's policies on this many tasks per level.")
+    parser.add_argument("--stages_from", default="",
+                        help="A finished invocation's workdir, run with the same flags but --distill_coef: "
+                             "its SFT and A stages and its plain B (which does not depend on the coefficient) "
+                             "are copied, and only the distilled B is trained.")
     parser.add_argument("--override", action="append", default=[],
                         help="A further --config.x.y=v for both lists (repeatable), e.g. "
                              "--override=--config.stage.chain.env.train_difficulties=4,5")
@@ -78,24 +86,60 @@ def main() -> None:
         evals = reevaluate(args.workdir, args.reevaluate_tasks)
         report(args, evals, args.reevaluate_tasks, None)
         return
+    if os.path.abspath(args.stages_from or args.workdir) == os.path.abspath(args.workdir) and args.stages_from:
+        raise SystemExit("--stages_from: expected another invocation's workdir than --workdir")
     shutil.rmtree(args.workdir, ignore_errors=True)
     seconds = {}
-    seconds["distilled"] = launcher_runs.launch(distilled, [*common, f"--config.stage.{stage_b}.rl.distill_coef="
-                                                                      f"{args.distill_coef}"], config="stages_tiny")
-    # The same list without distillation: its SFT and A stages are the distilled list's (copied,
-    # finished), so B starts from the same policy.
-    os.makedirs(plain)
-    for folder in (dir_sft, dir_a):
-        shutil.copytree(os.path.join(distilled, folder), os.path.join(plain, folder))
-    shutil.copy(os.path.join(distilled, "config.json"), os.path.join(plain, "config.json"))
-    with open(os.path.join(distilled, "metrics.jsonl")) as f, open(os.path.join(plain, "metrics.jsonl"), "w") as out:
-        out.writelines(line for line in f if f'"stage_name": "{stage_b}"' not in line)
-    seconds["plain"] = launcher_runs.launch(plain, [*common, f"--config.stage.{stage_b}.rl.distill_coef=0.0",
-                                                    "--config.resume=True"], config="stages_tiny")
+    distill = [f"--config.stage.{stage_b}.rl.distill_coef={args.distill_coef}"]
+    if args.stages_from:
+        check_same_run(args, os.path.join(args.stages_from, "plain"), stage_a, stage_b)
+        copy_stages(os.path.join(args.stages_from, "distilled"), distilled, (dir_sft, dir_a), stage_b)
+        shutil.copytree(os.path.join(args.stages_from, "plain"), plain)
+        seconds["distilled"] = launcher_runs.launch(distilled, [*common, *distill, "--config.resume=True"],
+                                                    config="stages_tiny")
+    else:
+        seconds["distilled"] = launcher_runs.launch(distilled, [*common, *distill], config="stages_tiny")
+        # The same list without distillation: its SFT and A stages are the distilled list's (copied,
+        # finished), so B starts from the same policy.
+        copy_stages(distilled, plain, (dir_sft, dir_a), stage_b)
+        seconds["plain"] = launcher_runs.launch(plain, [*common, f"--config.stage.{stage_b}.rl.distill_coef=0.0",
+                                                        "--config.resume=True"], config="stages_tiny")
 
     evals = {"sft": stage_evals(distilled)[stage_sft], "a": stage_evals(distilled)[stage_a],
              "distilled": stage_evals(distilled)[stage_b], "plain": stage_evals(plain)[stage_b]}
     report(args, evals, args.eval_tasks, seconds)
+
+
+def copy_stages(source: str, target: str, folders: tuple[str, ...], stage_b: str) -> None:
+    """A stage list's finished `folders` (SFT and A), its config and its records but B's, from
+    `source` into a new `target`: a list resumed there starts B from the same policy."""
+    os.makedirs(target)
+    for folder in folders:
+        shutil.copytree(os.path.join(source, folder), os.path.join(target, folder))
+    shutil.copy(os.path.join(source, "config.json"), os.path.join(target, "config.json"))
+    with open(os.path.join(source, "metrics.jsonl")) as f, open(os.path.join(target, "metrics.jsonl"), "w") as out:
+        out.writelines(line for line in f if f'"stage_name": "{stage_b}"' not in line)
+
+
+def check_same_run(args, plain: str, stage_a: str, stage_b: str) -> None:
+    """--stages_from: the earlier invocation trained what this one's flags say (SFT updates,
+    iterations, seed; B's learning rate when an override sets it), and its plain B finished."""
+    from jaxrl_agent import config_lib
+
+    ran = config_lib.run_config(plain)
+    expected = {"sft.steps": (ran.sft.steps, args.sft_steps), "seed": (ran.seed, args.seed),
+                "eval.tasks_per_difficulty": (ran.eval.tasks_per_difficulty, args.eval_tasks),
+                f"stage.{stage_a}.rl.iterations": (ran.stage[stage_a].rl.iterations, args.iterations),
+                f"stage.{stage_b}.rl.iterations": (ran.stage[stage_b].rl.iterations, args.iterations)}
+    for flag in args.override:
+        key, _, value = flag.removeprefix("--config.").partition("=")
+        if key == f"stage.{stage_b}.rl.learning_rate":
+            expected[key] = (ran.stage[stage_b].rl.learning_rate, float(value))
+    differ = {k: v for k, v in expected.items() if v[0] != v[1]}
+    if differ:
+        raise SystemExit(f"--stages_from {plain}: trained with other settings (key: (then, now)): {differ}")
+    if stage_b not in stage_evals(plain):
+        raise SystemExit(f"--stages_from {plain}: its plain stage {stage_b} did not finish")
 
 
 def reevaluate(workdir: str, tasks: int) -> dict[str, dict]:
@@ -149,7 +193,10 @@ def report(args, evals: dict[str, dict], tasks: int, seconds: dict[str, float] |
         se = math.sqrt(standard_error(with_d, n) ** 2 + standard_error(without, n) ** 2)
         print(f"{env} success, distilled - plain: {d:+.3f}" + (f" ({d / se:+.2f} s.e.)" if se > 0 else ""))
     if seconds:
-        print(f"wall seconds: distilled list {seconds['distilled']:.0f}, plain B {seconds['plain']:.0f}")
+        print("wall seconds: " + ", ".join(f"{name} {value:.0f}" for name, value in
+                                            (("distilled list", seconds.get("distilled")), ("plain B", seconds.get("plain")))
+                                            if value is not None) + (" (SFT, A and the plain B from --stages_from)"
+                                                                     if "plain" not in seconds else ""))
 
 
 if __name__ == "__main__":

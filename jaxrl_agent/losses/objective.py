@@ -48,8 +48,11 @@ class LossInputs(NamedTuple):
       ref_logprobs: frozen reference policy, for KL terms; None if unused.
       entropy: per-token entropy of the current policy (differentiable), for entropy terms.
       teacher_logprobs: frozen teacher policy (a previous stage's), for distillation terms.
-      distill_mask: 1 on the generated tokens distillation terms cover (e.g. only the episodes of
-        an earlier stage's environments); None = every generated token (`mask`'s).
+      distill_mask: 1 on the generated tokens trained by distillation alone (the episodes of an
+        earlier stage's environments, `rl.distill_envs`): distillation terms cover these and only
+        these, and the policy-gradient terms leave them out (their token counts too, so the policy
+        terms equal those of the batch without them). None = distillation terms cover every
+        generated token (`mask`'s) and the policy terms do too.
     """
 
     mask: jax.Array
@@ -347,7 +350,10 @@ def make_objective(spec: ObjectiveSpec | Sequence[Term], *, name: str = "objecti
         sampler = _optional(batch, "sampler_logprobs")
         sampler = old if sampler is None else sampler
         weights = jnp.ones_like(mask)
-        policy_mask = mask
+        distill_only = _optional(batch, "distill_mask")
+        # Tokens trained by distillation alone carry no policy-gradient term (see LossInputs).
+        policy_tokens = mask if distill_only is None else mask * (1.0 - as_float_mask(distill_only))
+        policy_mask = policy_tokens
         metrics: Metrics = {}
         for correction in spec.corrections:
             weights, policy_mask, extra = correction(logprobs, sampler, policy_mask, weights, old_logprobs=old)
@@ -358,7 +364,7 @@ def make_objective(spec: ObjectiveSpec | Sequence[Term], *, name: str = "objecti
             total = total + value
             metrics.update(extra)
         metrics["loss"] = total
-        metrics["masked_token_share"] = 1.0 - jnp.sum(policy_mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        metrics["masked_token_share"] = 1.0 - jnp.sum(policy_mask) / jnp.maximum(jnp.sum(policy_tokens), 1.0)
         metrics["token_weight_mean"] = masked_mean(weights, policy_mask)
         metrics["token_weight_max"] = jnp.max(jnp.where(policy_mask > 0, weights, 0.0))
         metrics.update(corrections_lib.drift_metrics(logprobs, old, sampler, mask))

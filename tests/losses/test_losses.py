@@ -467,6 +467,36 @@ def test_distill_term_is_its_own_loss_term_and_needs_a_teacher():
         objective(lp, inputs._replace(teacher_logprobs=None))
 
 
+def test_distill_only_tokens_leave_the_policy_terms_as_if_they_were_not_in_the_batch():
+    """rl.distill_envs: the policy terms of a batch with distill-only rows (whatever their advantages
+    and ratios) equal those of the batch without them, token counts included; the distillation
+    term covers those rows alone."""
+    rng = np.random.RandomState(0)
+    logprobs = jnp.asarray(-rng.rand(3, 4) * 3, jnp.float32)
+    old = logprobs + jnp.asarray(rng.randn(3, 4) * 0.1, jnp.float32)
+    mask = jnp.ones((3, 4), jnp.int32)
+    advantages = jnp.array([1.0, -0.5, 2.0])
+    distill_only = jnp.array([[0.0] * 4, [0.0] * 4, [1.0] * 4])  # row 2: an earlier stage's episode
+    spec = L.default_objective_spec()
+    objective = L.make_objective(L.ObjectiveSpec(terms=(*spec.terms, L.DistillTerm(coef=0.5)),
+                                                 corrections=spec.corrections))
+    inputs = L.LossInputs(mask=mask, advantages=advantages, old_logprobs=old, sampler_logprobs=old,
+                          teacher_logprobs=old - 0.2, distill_mask=distill_only)
+    _, metrics = objective(logprobs, inputs)
+    policy_only = L.make_objective(spec)
+    without_row, _ = policy_only(logprobs[:2], L.LossInputs(mask=mask[:2], advantages=advantages[:2],
+                                                            old_logprobs=old[:2], sampler_logprobs=old[:2]))
+    np.testing.assert_allclose(float(metrics["mirror_descent/loss"]), float(without_row), rtol=1e-6)
+    # Its advantage is ignored by the policy terms (only the distillation term sees the row).
+    moved, _ = objective(logprobs, inputs._replace(advantages=advantages.at[2].set(-7.0)))
+    _, base = objective(logprobs, inputs)
+    np.testing.assert_allclose(float(moved), float(base["loss"]), rtol=1e-6)
+    assert float(metrics["masked_token_share"]) == 0.0  # corrections removed nothing
+    # Without a distill mask every row is a policy row (distillation on every token).
+    everywhere, _ = policy_only(logprobs, inputs._replace(distill_mask=None, teacher_logprobs=None))
+    assert abs(float(everywhere) - float(without_row)) > 1e-4
+
+
 def test_the_distill_term_covers_only_the_distill_mask():
     """Tokens outside distill_mask never change the distillation term; it averages over the covered."""
     term = L.DistillTerm(coef=1.0)
