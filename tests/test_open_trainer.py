@@ -486,7 +486,9 @@ def test_distillation_on_an_earlier_stages_environment_alone(tmp_path):
     chain_groups = rl["distill_only_groups"]
     assert chain_groups >= 1 and rl["groups"] + chain_groups == 4  # the signal counts calculator's only
     assert rl["trained_trajectories"] >= chain_groups * config.rollout.group_size  # every chain episode trained
-    assert rl["distill/kl_k3"] > 1e-2 and rl["distill/loss"] == pytest.approx(0.5 * rl["distill/kl_k3"], rel=1e-4)
+    # Two random inits of this tiny model are ~0.01 apart on sampled tokens (0.0099-0.012 seen, by
+    # the episodes drawn); a teacher equal to the policy's start stays below 1e-3 (the test above).
+    assert rl["distill/kl_k3"] > 3e-3 and rl["distill/loss"] == pytest.approx(0.5 * rl["distill/kl_k3"], rel=1e-4)
     # Without distillation its episodes are sampled (their outcomes recorded), and not trained.
     config.rl.distill_coef = 0.0
     config.workdir = str(tmp_path / "plain")
