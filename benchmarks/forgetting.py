@@ -86,7 +86,7 @@ def main() -> None:
         evals = reevaluate(args.workdir, args.reevaluate_tasks)
         report(args, evals, args.reevaluate_tasks, None)
         return
-    if os.path.abspath(args.stages_from or args.workdir) == os.path.abspath(args.workdir) and args.stages_from:
+    if args.stages_from and os.path.abspath(args.stages_from) == os.path.abspath(args.workdir):
         raise SystemExit("--stages_from: expected another invocation's workdir than --workdir")
     shutil.rmtree(args.workdir, ignore_errors=True)
     seconds = {}
@@ -193,10 +193,9 @@ def report(args, evals: dict[str, dict], tasks: int, seconds: dict[str, float] |
         se = math.sqrt(standard_error(with_d, n) ** 2 + standard_error(without, n) ** 2)
         print(f"{env} success, distilled - plain: {d:+.3f}" + (f" ({d / se:+.2f} s.e.)" if se > 0 else ""))
     if seconds:
-        print("wall seconds: " + ", ".join(f"{name} {value:.0f}" for name, value in
-                                            (("distilled list", seconds.get("distilled")), ("plain B", seconds.get("plain")))
-                                            if value is not None) + (" (SFT, A and the plain B from --stages_from)"
-                                                                     if "plain" not in seconds else ""))
+        plain_b = (f"plain B {seconds['plain']:.0f}" if "plain" in seconds
+                   else "SFT, A and the plain B from --stages_from")
+        print(f"wall seconds: distilled list {seconds['distilled']:.0f}, {plain_b}")
 
 
 if __name__ == "__main__":
