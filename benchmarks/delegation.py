@@ -1,7 +1,7 @@
 """Delegation to frozen sub-agents against inline-only, at equal RL wall time and context, one invocation.
 
   python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps N (the config's)] [--rl_minutes 4]
-      [--eval_tasks 32] [--levels 1,2,3] [--rl_mixture chain_sum:1]
+      [--eval_tasks 32] [--levels 1,2,3] [--rl_mixture chain_sum:1] [--subagent_sft_steps N (0)]
 
 configs/chain_sum_tiny.py (composite `chain_sum` tasks: the sum of two or three chains' values;
 `rollout.max_context` = 240 tokens, which an inline episode outgrows past level 1). Two arms, each
@@ -9,7 +9,10 @@ an SFT cold start on its own expert demonstrations (the same mixture with `chain
 of updates), then RL from that checkpoint for the same wall time (`--rl_minutes`: the run's time
 budget is its SFT time plus that):
   * delegate: `rollout.delegate='initial'` — the SFT policy, frozen, is every sub-agent; RL trains
-    the orchestrator only;
+    the orchestrator only. With `--subagent_sft_steps N` the sub-agents are a separate checkpoint
+    instead: first a run of N SFT updates on `chain` alone (the levels' reads per chain), exported
+    as a Hugging Face folder (`launch/export_hf.py`) and named by `rollout.delegate=<folder>`, so
+    the orchestrator's own SFT can stop short of its sub-agents' ceiling;
   * inline: `rollout.delegate=''` — no `delegate` tool, inline demonstrations.
 RL trains on chain_sum alone (`--rl_mixture`): the chain skill the sub-agents use is SFT's, frozen,
 and chain tasks in RL would train only the orchestrator's own chain reading, which no chain_sum
@@ -28,6 +31,7 @@ import argparse
 import math
 import os
 import shutil
+import subprocess
 import sys
 
 import launcher_runs
@@ -62,6 +66,31 @@ def deploy(workdir: str, levels: list[int], tasks: int) -> dict[int, dict[str, f
     return out
 
 
+def train_subagent(workdir: str, levels: list[int], args) -> dict:
+    """The sub-agents' own checkpoint: `--subagent_sft_steps` SFT updates on `chain` alone, at the
+    reads per chain of `levels` (the sub-tasks `chain_sum.subtask` makes), exported to
+    `<workdir>/hf`. Returns the folder and its held-out greedy chain success (the run's sft_eval)."""
+    from jaxrl_agent.envs import chain_sum
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    hops = ",".join(str(h) for h in sorted({chain_sum.LEVELS[level][1] for level in levels}))
+    launcher_runs.launch(workdir, [f"--config.sft.steps={args.subagent_sft_steps}", "--config.env.name=chain",
+                                   "--config.env.mixture=chain:1", f"--config.env.train_difficulties={hops}",
+                                   f"--config.sft.difficulties={hops}", f"--config.env.eval_difficulties={hops}",
+                                   f"--config.seed={args.seed}", "--config.rollout.delegate=",
+                                   f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.eval.every=0",
+                                   "--config.metrics.tensorboard=False", "--config.metrics.progress=off",
+                                   "--config.rl.iterations=0"], config="chain_sum_tiny")
+    folder = os.path.join(workdir, "hf")
+    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export_hf.py"), f"--workdir={workdir}",
+                    f"--out={folder}"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    evaluated = next(r for r in records(workdir) if r["stage"] == "sft_eval")
+    n = args.eval_tasks * len(hops.split(","))
+    return {"folder": folder, "levels": hops, "success": evaluated["eval/success"],
+            "se": standard_error(evaluated["eval/success"], n),
+            "per_level": {k: v for k, v in evaluated.items() if "/pass@1/d" in k}}
+
+
 def chain_sum_success(record: dict) -> float:
     """An evaluation record's held-out chain_sum success: its own key when the run evaluated
     several environments (SFT's mixture with chain), `eval/success` when chain_sum was the only one
@@ -85,6 +114,9 @@ def main() -> None:
     parser.add_argument("--rl_mixture", default="chain_sum:1",
                         help="RL's env.mixture (SFT keeps the config's, with chain: the skill the frozen "
                              "sub-agents bring); '' = the config's.")
+    parser.add_argument("--subagent_sft_steps", type=int, default=0,
+                        help="0: the delegate arm's sub-agents are its own SFT policy ('initial'); N > 0: a "
+                             "separate checkpoint of N SFT updates on chain alone, exported.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -99,6 +131,11 @@ def main() -> None:
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.eval.every=0",
               "--config.metrics.tensorboard=False", "--config.metrics.progress=off"]
     delegate = {"delegate": "initial", "inline": ""}
+    subagent = None
+    if args.subagent_sft_steps > 0:
+        subagent = train_subagent(os.path.join(args.workdir, "subagent"), levels, args)
+        delegate["delegate"] = subagent["folder"]
+        print(subagent, flush=True)
     rows = []
     for arm in args.arms.split(","):
         workdir = os.path.join(args.workdir, arm)
@@ -125,6 +162,10 @@ def main() -> None:
 
     print(f"\nchain_sum, levels {args.levels}, max_context 240, {args.sft_steps} SFT updates then "
           f"{args.rl_minutes:g} min of RL; held-out greedy success over {args.eval_tasks} tasks per level\n")
+    if subagent is not None:
+        print(f"sub-agents: a separate checkpoint, {args.subagent_sft_steps} SFT updates on chain levels "
+              f"{subagent['levels']}: held-out greedy chain success {subagent['success']:.3f} "
+              f"(± {subagent['se']:.3f}); per level {subagent['per_level']}\n")
     print("| arm | RL iterations | after SFT | after RL | ± s.e. | RL gain (in s.e.) | delegations / episode in RL |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
