@@ -69,11 +69,20 @@ def deploy(workdir: str, levels: list[int], tasks: int) -> dict[int, dict[str, f
 def train_subagent(workdir: str, levels: list[int], args) -> dict:
     """The sub-agents' own checkpoint: `--subagent_sft_steps` SFT updates on `chain` alone, at the
     reads per chain of `levels` (the sub-tasks `chain_sum.subtask` makes), exported to
-    `<workdir>/hf`. Returns the folder and its held-out greedy chain success (the run's sft_eval)."""
+    `<workdir>/hf`. Returns the folder and its held-out greedy chain success (the run's sft_eval).
+    A finished sub-agent run of the same updates, seed, levels and evaluation in `workdir` (a stopped
+    invocation's) is reused, and says so."""
+    from jaxrl_agent import config_lib
     from jaxrl_agent.envs import chain_sum
 
-    shutil.rmtree(workdir, ignore_errors=True)
     hops = ",".join(str(h) for h in sorted({chain_sum.LEVELS[level][1] for level in levels}))
+    folder = os.path.join(workdir, "hf")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):  # a stopped invocation's, if it is this one's
+        ran = config_lib.run_config(workdir)
+        if (ran.sft.steps, ran.seed, ran.env.train_difficulties, ran.eval.tasks_per_difficulty) == \
+                (args.subagent_sft_steps, args.seed, hops, args.eval_tasks):
+            return subagent_record(workdir, folder, hops, args.eval_tasks, reused=True)
+    shutil.rmtree(workdir, ignore_errors=True)
     launcher_runs.launch(workdir, [f"--config.sft.steps={args.subagent_sft_steps}", "--config.env.name=chain",
                                    "--config.env.mixture=chain:1", f"--config.env.train_difficulties={hops}",
                                    f"--config.sft.difficulties={hops}", f"--config.env.eval_difficulties={hops}",
@@ -81,12 +90,15 @@ def train_subagent(workdir: str, levels: list[int], args) -> dict:
                                    f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.eval.every=0",
                                    "--config.metrics.tensorboard=False", "--config.metrics.progress=off",
                                    "--config.rl.iterations=0"], config="chain_sum_tiny")
-    folder = os.path.join(workdir, "hf")
     subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export_hf.py"), f"--workdir={workdir}",
                     f"--out={folder}"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return subagent_record(workdir, folder, hops, args.eval_tasks, reused=False)
+
+
+def subagent_record(workdir: str, folder: str, hops: str, eval_tasks: int, *, reused: bool) -> dict:
     evaluated = next(r for r in records(workdir) if r["stage"] == "sft_eval")
-    n = args.eval_tasks * len(hops.split(","))
-    return {"folder": folder, "levels": hops, "success": evaluated["eval/success"],
+    n = eval_tasks * len(hops.split(","))
+    return {"folder": folder, "levels": hops, "success": evaluated["eval/success"], "reused": reused,
             "se": standard_error(evaluated["eval/success"], n),
             "per_level": {k: v for k, v in evaluated.items() if "/pass@1/d" in k}}
 
@@ -163,8 +175,8 @@ def main() -> None:
     print(f"\nchain_sum, levels {args.levels}, max_context 240, {args.sft_steps} SFT updates then "
           f"{args.rl_minutes:g} min of RL; held-out greedy success over {args.eval_tasks} tasks per level\n")
     if subagent is not None:
-        print(f"sub-agents: a separate checkpoint, {args.subagent_sft_steps} SFT updates on chain levels "
-              f"{subagent['levels']}: held-out greedy chain success {subagent['success']:.3f} "
+        print(f"sub-agents: a separate checkpoint{' (reused)' if subagent['reused'] else ''}, "
+              f"{args.subagent_sft_steps} SFT updates on chain levels {subagent['levels']}: held-out greedy chain success {subagent['success']:.3f} "
               f"(± {subagent['se']:.3f}); per level {subagent['per_level']}\n")
     print("| arm | RL iterations | after SFT | after RL | ± s.e. | RL gain (in s.e.) | delegations / episode in RL |")
     print("|---|---|---|---|---|---|---|")

@@ -166,6 +166,7 @@ def report(args, evals: dict[str, dict], tasks: int, seconds: dict[str, float] |
     (_, _, _), (stage_a, _, env_a), (stage_b, dir_b, env_b) = stage_list()
     distilled = os.path.join(args.workdir, "distilled")
     ran = config_lib.run_config(distilled)  # what the invocation trained (also when re-evaluating it)
+    ran_b = config_lib.run_config(os.path.join(distilled, dir_b))  # what its distilled B ran with
     plain = os.path.join(args.workdir, "plain")
     after_a = evals["a"]
     rows = [("after SFT", evals["sft"], None), (f"after stage A ({env_a} RL)", after_a, None)]
@@ -176,7 +177,7 @@ def report(args, evals: dict[str, dict], tasks: int, seconds: dict[str, float] |
     n_b = tasks * len([k for k in after_a if k.startswith(f"eval/{env_b}/pass@1/")])
     print(f"\nstages_tiny: SFT {ran.sft.steps} updates, then {ran.stage[stage_a].rl.iterations} RL iterations on "
           f"{env_a} (A), then {ran.stage[stage_b].rl.iterations} on {env_b} (B) with distill_coef "
-          f"{ran.stage[stage_b].rl.distill_coef} or 0; held-out greedy success, {tasks} tasks per level\n")
+          f"{ran_b.rl.distill_coef} or 0; held-out greedy success, {tasks} tasks per level\n")
     print(f"| policy | {env_a} success ± s.e. | {env_b} success ± s.e. | distill KL (last B iteration) |")
     print("|---|---|---|---|")
     for name, record, b_records in rows:

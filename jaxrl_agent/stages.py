@@ -157,8 +157,10 @@ def run_stages(config, workdir: str, *, quiet: bool = False, objective=None, rew
     writer = metrics.MetricsWriter(workdir, tensorboard=False, console=metrics.Console(enabled=not quiet))
     levels = environment_levels(configs)
     try:
-        if not os.path.exists(os.path.join(workdir, "config.json")):
-            writer.write_config(config)
+        # This invocation's resolved config, as a single run writes it (on resume too: a list
+        # resumed with other overrides records what its remaining stages run; each stage's own
+        # folder keeps the config that stage ran with).
+        writer.write_config(config)
         done = {r["stage_name"]: r for r in _records(writer.path) if r.get("stage") == "stage_eval"}
         offset, previous = 0, None
         for i, (name, stage_dir, stage) in enumerate(configs):

@@ -124,3 +124,19 @@ def test_a_stage_list_killed_in_its_second_stage_resumes_there(tmp_path):
     # The distillation stage distils (its own loss term), from the calc stage's final policy.
     assert all("distill/loss" in r for r in kb_records if r["stage"] == "rl")
     assert not any("distill/loss" in r for r in calc_records if r["stage"] == "rl")
+
+
+def test_a_resumed_stage_list_records_the_config_it_resumed_with(tmp_path):
+    # Every stage finished (its stage_eval written): a resume trains nothing, and config.json is
+    # this invocation's resolved config, overrides included (it kept the first invocation's before).
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, name in enumerate(["sft", "calc", "kb"]):
+            f.write(json.dumps({"stage": "stage_eval", "step": i, "global_step": i, "stage_name": name}) + "\n")
+    config = staged(tmp_path)
+    config.unlock()
+    config.resume = True
+    for coef in (0.5, 0.05):
+        config.stage.kb.rl.distill_coef = coef
+        stages.run_stages(config, str(tmp_path), quiet=True, train=lambda *a, **k: pytest.fail("nothing to train"))
+        written = json.loads((tmp_path / "config.json").read_text())
+        assert written["stage"]["kb"]["rl"]["distill_coef"] == coef and written["resume"] is True
