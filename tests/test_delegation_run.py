@@ -115,3 +115,39 @@ def test_sub_agents_sample_at_their_own_temperature_and_greedily_in_evaluation(t
     config.rollout.delegate_temperature = -0.5
     with pytest.raises(build.ConfigError, match=r"rollout.delegate_temperature=-0.5: expected -1"):
         build.validate_config(config)
+
+
+def test_sub_agents_from_a_hugging_face_folder_sample_that_checkpoint(tmp_path):
+    """rollout.delegate=<folder>: the sub-agents sample the folder's weights (a separate checkpoint,
+    e.g. one exported by launch/export_hf.py), not the weights RL starts from; a path that is not a
+    folder is a config error."""
+    from jaxrl_agent import models
+    from jaxrl_agent.rollout.episode import run_coroutine
+    from jaxrl_agent.sampling import LocalSampler, SamplingParams
+
+    config = tiny_config(tmp_path)
+    model_config, params = build.build_model(config)
+    config.seed = 1
+    _, other = build.build_model(config)  # another initialisation: the separate checkpoint
+    folder = tmp_path / "subagent_hf"
+    models.save_hf(str(folder), model_config, other)
+    config.rollout.delegate = str(folder)
+    build.validate_config(config)
+    tok = build.build_tokenizer(config)
+    prompt = tok.encode("Q: Follow the chain from KQ; answer its value.")
+    sampling = SamplingParams(temperature=0.0, max_tokens=8)
+    samplers = {"delegate": build.build_subagent_sampler(config, model_config, params, tok),
+                "folder": LocalSampler(build.build_engine(config, model_config, other, tok)),
+                "initial": LocalSampler(build.build_engine(config, model_config, params, tok))}
+    try:
+        out = {name: run_coroutine(s.generate(prompt, sampling)) for name, s in samplers.items()}
+    finally:
+        for s in samplers.values():
+            s.close()
+    assert out["delegate"].token_ids == out["folder"].token_ids
+    assert np.allclose(out["delegate"].logprobs, out["folder"].logprobs, atol=1e-5)
+    assert out["delegate"].token_ids != out["initial"].token_ids \
+        or not np.allclose(out["delegate"].logprobs, out["initial"].logprobs, atol=1e-3)
+    config.rollout.delegate = str(tmp_path / "missing")
+    with pytest.raises(build.ConfigError, match=r"rollout.delegate=.*missing.*expected '' \(no sub-agents\), 'initial' or a Hugging Face model folder"):
+        build.validate_config(config)
