@@ -18,6 +18,11 @@ forgetting is A's success falling from its value after stage A.
 `--stages_from DIR` (a finished invocation with the same flags but `--distill_coef`) copies its SFT
 and A stages and its plain B, and trains only the distilled B: another coefficient from the same A.
 
+`--b_seeds 1,2` adds, after that pair, one more pair of B's (distilled and plain) per listed seed, each
+from the same A with stage B's own `seed` set to it (B's sampling and task stream; SFT and A
+unchanged), in `distilled_b<seed>` / `plain_b<seed>`: B's outcome varies between runs, so the arms
+are compared by the mean of the paired differences over all pairs and its standard error over pairs.
+
 `--reevaluate_tasks N` trains nothing: it evaluates the policies a finished invocation left in
 `--workdir` (after SFT, after A, both B's) again, on N held-out tasks per level (the first
 `--eval_tasks` of them the same tasks), and prints the same table: a smaller standard error for the
@@ -66,6 +71,8 @@ def main() -> None:
                         help="A finished invocation's workdir, run with the same flags but --distill_coef: "
                              "its SFT and A stages and its plain B (which does not depend on the coefficient) "
                              "are copied, and only the distilled B is trained.")
+    parser.add_argument("--b_seeds", default="",
+                        help="Seeds of further B pairs from the same A (comma-separated; stage B's seed alone).")
     parser.add_argument("--override", action="append", default=[],
                         help="A further --config.x.y=v for both lists (repeatable), e.g. "
                              "--override=--config.stage.chain.env.train_difficulties=4,5")
@@ -108,6 +115,51 @@ def main() -> None:
     evals = {"sft": stage_evals(distilled)[stage_sft], "a": stage_evals(distilled)[stage_a],
              "distilled": stage_evals(distilled)[stage_b], "plain": stage_evals(plain)[stage_b]}
     report(args, evals, args.eval_tasks, seconds)
+    seeds = [int(s) for s in args.b_seeds.split(",") if s.strip()]
+    if seeds:
+        pairs = [(args.seed, evals["distilled"], evals["plain"])]
+        for seed in seeds:
+            config = b_seed_config(args.workdir, stage_b, seed)
+            pair = []
+            for arm, coef in (("distilled", args.distill_coef), ("plain", 0.0)):
+                target = os.path.join(args.workdir, f"{arm}_b{seed}")
+                copy_stages(distilled, target, (dir_sft, dir_a), stage_b)
+                launcher_runs.launch(target, [*common, f"--config.stage.{stage_b}.rl.distill_coef={coef}",
+                                              "--config.resume=True"], config=config)
+                pair.append(stage_evals(target)[stage_b])
+            pairs.append((seed, *pair))
+        report_pairs(pairs, args.eval_tasks)
+
+
+def b_seed_config(workdir: str, stage_b: str, seed: int) -> str:
+    """A config file: configs/stages_tiny.py with stage B's `seed` set to `seed` (a field the stage's
+    overrides do not list, so no command-line flag can set it)."""
+    path = os.path.join(workdir, f"stages_tiny_b{seed}.py")
+    with open(path, "w") as f:
+        f.write(f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom jaxrl_agent import config_lib\n\n\n"
+                f"def get_config():\n"
+                f"    config = config_lib.load_config({os.path.join(ROOT, 'configs', 'stages_tiny.py')!r})\n"
+                f"    config.unlock()\n    config.stage[{stage_b!r}].seed = {seed}\n    return config.lock()\n")
+    return path
+
+
+def report_pairs(pairs: list[tuple[int, dict, dict]], tasks: int) -> None:
+    """Each B pair's held-out success on both environments, and the mean paired difference
+    (distilled - plain) with its standard error over pairs."""
+    (_, _, _), (_, _, env_a), (_, _, env_b) = stage_list()
+    print(f"\nB pairs from the same A (stage B's seed), held-out greedy success, {tasks} tasks per level\n")
+    print(f"| B seed | {env_a} distilled | {env_a} plain | {env_b} distilled | {env_b} plain |")
+    print("|---|---|---|---|---|")
+    for seed, with_d, without in pairs:
+        print(f"| {seed} | {with_d[f'eval/{env_a}/success']:.3f} | {without[f'eval/{env_a}/success']:.3f} | "
+              f"{with_d[f'eval/{env_b}/success']:.3f} | {without[f'eval/{env_b}/success']:.3f} |")
+    for env in (env_a, env_b):
+        diffs = [w[f"eval/{env}/success"] - p[f"eval/{env}/success"] for _, w, p in pairs]
+        mean = sum(diffs) / len(diffs)
+        spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
+        se = spread / math.sqrt(len(diffs))
+        print(f"{env} success, distilled - plain, mean over {len(diffs)} pairs: {mean:+.3f} "
+              f"(s.e. over pairs {se:.3f}" + (f", {mean / se:+.2f} s.e.)" if se > 0 else ")"))
 
 
 def copy_stages(source: str, target: str, folders: tuple[str, ...], stage_b: str) -> None:
