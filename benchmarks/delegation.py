@@ -96,6 +96,8 @@ def train_subagent(workdir: str, levels: list[int], args) -> dict:
 
 
 def subagent_record(workdir: str, folder: str, hops: str, eval_tasks: int, *, reused: bool) -> dict:
+    """The sub-agent run's exported folder and its held-out greedy chain success (its sft_eval
+    record), with the binomial standard error over `eval_tasks` per level."""
     evaluated = next(r for r in records(workdir) if r["stage"] == "sft_eval")
     n = eval_tasks * len(hops.split(","))
     return {"folder": folder, "levels": hops, "success": evaluated["eval/success"], "reused": reused,
@@ -176,8 +178,8 @@ def main() -> None:
           f"{args.rl_minutes:g} min of RL; held-out greedy success over {args.eval_tasks} tasks per level\n")
     if subagent is not None:
         print(f"sub-agents: a separate checkpoint{' (reused)' if subagent['reused'] else ''}, "
-              f"{args.subagent_sft_steps} SFT updates on chain levels {subagent['levels']}: held-out greedy chain success {subagent['success']:.3f} "
-              f"(± {subagent['se']:.3f}); per level {subagent['per_level']}\n")
+              f"{args.subagent_sft_steps} SFT updates on chain levels {subagent['levels']}: held-out greedy "
+              f"chain success {subagent['success']:.3f} (± {subagent['se']:.3f}); per level {subagent['per_level']}\n")
     print("| arm | RL iterations | after SFT | after RL | ± s.e. | RL gain (in s.e.) | delegations / episode in RL |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
