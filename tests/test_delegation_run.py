@@ -149,5 +149,6 @@ def test_sub_agents_from_a_hugging_face_folder_sample_that_checkpoint(tmp_path):
     assert out["delegate"].token_ids != out["initial"].token_ids \
         or not np.allclose(out["delegate"].logprobs, out["initial"].logprobs, atol=1e-3)
     config.rollout.delegate = str(tmp_path / "missing")
-    with pytest.raises(build.ConfigError, match=r"rollout.delegate=.*missing.*expected '' \(no sub-agents\), 'initial' or a Hugging Face model folder"):
+    with pytest.raises(build.ConfigError,
+                       match=r"rollout.delegate=.*missing.*expected '' \(no sub-agents\), 'initial' or a Hugging Face"):
         build.validate_config(config)
