@@ -35,6 +35,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import sys
 
 import launcher_runs
@@ -155,9 +156,8 @@ def report_pairs(pairs: list[tuple[int, dict, dict]], tasks: int) -> None:
               f"{with_d[f'eval/{env_b}/success']:.3f} | {without[f'eval/{env_b}/success']:.3f} |")
     for env in (env_a, env_b):
         diffs = [w[f"eval/{env}/success"] - p[f"eval/{env}/success"] for _, w, p in pairs]
-        mean = sum(diffs) / len(diffs)
-        spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
-        se = spread / math.sqrt(len(diffs))
+        mean = statistics.fmean(diffs)
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
         print(f"{env} success, distilled - plain, mean over {len(diffs)} pairs: {mean:+.3f} "
               f"(s.e. over pairs {se:.3f}" + (f", {mean / se:+.2f} s.e.)" if se > 0 else ")"))
 
