@@ -17,6 +17,8 @@ forgetting is A's success falling from its value after stage A.
 
 `--stages_from DIR` (a finished invocation with the same flags but `--distill_coef`) copies its SFT
 and A stages and its plain B, and trains only the distilled B: another coefficient from the same A.
+With the same `--distill_coef` its distilled B is copied too and nothing is trained before
+`--b_seeds`' pairs.
 
 `--b_seeds 1,2` adds, after that pair, one more pair of B's (distilled and plain) per listed seed, each
 from the same A with stage B's own `seed` set to it (B's sampling and task stream; SFT and A
@@ -78,7 +80,7 @@ def main() -> None:
                         help="A further --config.x.y=v for both lists (repeatable), e.g. "
                              "--override=--config.stage.chain.env.train_difficulties=4,5")
     args = parser.parse_args()
-    (stage_sft, dir_sft, _), (stage_a, dir_a, _), (stage_b, _, _) = stage_list()
+    (stage_sft, dir_sft, _), (stage_a, dir_a, _), (stage_b, dir_b, _) = stage_list()
 
     common = [f"--config.seed={args.seed}", f"--config.sft.steps={args.sft_steps}",
               f"--config.eval.tasks_per_difficulty={args.eval_tasks}", "--config.metrics.tensorboard=False",
@@ -101,10 +103,16 @@ def main() -> None:
     distill = [f"--config.stage.{stage_b}.rl.distill_coef={args.distill_coef}"]
     if args.stages_from:
         check_same_run(args, os.path.join(args.stages_from, "plain"), stage_a, stage_b)
-        copy_stages(os.path.join(args.stages_from, "distilled"), distilled, (dir_sft, dir_a), stage_b)
+        source = os.path.join(args.stages_from, "distilled")
         shutil.copytree(os.path.join(args.stages_from, "plain"), plain)
-        seconds["distilled"] = launcher_runs.launch(distilled, [*common, *distill, "--config.resume=True"],
-                                                    config="stages_tiny")
+        if finished_with_coef(source, stage_b, dir_b, args.distill_coef):
+            # The same coefficient: the earlier distilled B is this one (used with --b_seeds).
+            shutil.copytree(source, distilled)
+            seconds["distilled"] = 0.0
+        else:
+            copy_stages(source, distilled, (dir_sft, dir_a), stage_b)
+            seconds["distilled"] = launcher_runs.launch(distilled, [*common, *distill, "--config.resume=True"],
+                                                        config="stages_tiny")
     else:
         seconds["distilled"] = launcher_runs.launch(distilled, [*common, *distill], config="stages_tiny")
         # The same list without distillation: its SFT and A stages are the distilled list's (copied,
@@ -171,6 +179,15 @@ def copy_stages(source: str, target: str, folders: tuple[str, ...], stage_b: str
     shutil.copy(os.path.join(source, "config.json"), os.path.join(target, "config.json"))
     with open(os.path.join(source, "metrics.jsonl")) as f, open(os.path.join(target, "metrics.jsonl"), "w") as out:
         out.writelines(line for line in f if f'"stage_name": "{stage_b}"' not in line)
+
+
+def finished_with_coef(distilled: str, stage_b: str, dir_b: str, coef: float) -> bool:
+    """Whether an earlier invocation's distilled list finished stage B at distillation coefficient `coef`."""
+    from jaxrl_agent import config_lib
+
+    if stage_b not in stage_evals(distilled):
+        return False
+    return config_lib.run_config(os.path.join(distilled, dir_b)).rl.distill_coef == coef
 
 
 def check_same_run(args, plain: str, stage_a: str, stage_b: str) -> None:
@@ -245,7 +262,9 @@ def report(args, evals: dict[str, dict], tasks: int, seconds: dict[str, float] |
         d = with_d - without
         se = math.sqrt(standard_error(with_d, n) ** 2 + standard_error(without, n) ** 2)
         print(f"{env} success, distilled - plain: {d:+.3f}" + (f" ({d / se:+.2f} s.e.)" if se > 0 else ""))
-    if seconds:
+    if seconds and not seconds["distilled"]:
+        print("wall seconds: both B's from --stages_from (the same coefficient), nothing trained")
+    elif seconds:
         plain_b = (f"plain B {seconds['plain']:.0f}" if "plain" in seconds
                    else "SFT, A and the plain B from --stages_from")
         print(f"wall seconds: distilled list {seconds['distilled']:.0f}, {plain_b}")
