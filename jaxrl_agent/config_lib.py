@@ -6,6 +6,7 @@ ml-collections reports a misspelled override as a bare `AttributeError` deep ins
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import os
@@ -67,14 +68,16 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def check_overrides(argv: Sequence[str], flag: str = "config") -> None:
-    """Raises ConfigOverrideError naming every override key the config file does not define."""
+    """Raises ConfigOverrideError naming every override key the config file does not define.
+    `stage.<name>.<field>` of a defined stage is valid for any field of the base config
+    (`stage_field_overrides`)."""
     path, keys = override_keys(argv, flag)
     if path is None or not keys:
         return
     config = load_config(path)
     valid = list(_all_keys(config))
     for key in keys:
-        if key in valid:
+        if key in valid or _stage_field(config, key, flag) is not None:
             continue
         close = difflib.get_close_matches(key, valid, n=3)
         hint = f"; did you mean {', '.join('--' + flag + '.' + c for c in close)}?" if close else ""
@@ -84,19 +87,126 @@ def check_overrides(argv: Sequence[str], flag: str = "config") -> None:
         )
 
 
+def _stage_field(config, key: str, flag: str = "config") -> tuple[str, str] | None:
+    """(stage name, field path) when `key` is `stage.<name>.<field path>` of a stage `config.stage`
+    defines and a field of the base config (not `stages` or `stage`) that the stage's overrides do not
+    list; None when `key` is not of that form. Raises ConfigOverrideError for a field the base
+    config does not have."""
+    parts = key.split(".")
+    if len(parts) < 3 or parts[0] != "stage" or "stage" not in config or parts[1] not in config.stage:
+        return None
+    name, field = parts[1], ".".join(parts[2:])
+    if field in set(_all_keys(config.stage[name])):
+        return None  # listed: ml-collections sets it
+    base = [k for k in _all_keys(config) if k.split(".")[0] not in ("stage", "stages")]
+    if parts[2] in ("stage", "stages") or field not in base:
+        close = difflib.get_close_matches(field, base, n=3)
+        hint = f"; did you mean {', '.join(f'--{flag}.stage.{name}.{c}' for c in close)}?" if close else ""
+        raise ConfigOverrideError(f"--{flag}.{key}: stage {name!r} overrides fields of the base config, "
+                                  f"which has no field {field!r}{hint}")
+    if isinstance(_get(config, field), ml_collections.ConfigDict):
+        raise ConfigOverrideError(f"--{flag}.{key}: {field!r} is a section; expected one of its fields")
+    return name, field
+
+
+def _get(config, path: str):
+    for part in path.split("."):
+        config = config[part]
+    return config
+
+
+def _parse_like(key: str, raw: str, like):
+    """`raw` (a command-line value) as the type of the base config's value `like`."""
+    try:
+        if isinstance(like, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if isinstance(like, int):
+            return int(raw)
+        if isinstance(like, float):
+            return float(raw)
+        if isinstance(like, str):
+            return raw
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        kind = type(like).__name__ if like is not None else "a Python literal"
+        raise ConfigOverrideError(f"{key}={raw!r}: expected {kind}, like the base config's {like!r}") from None
+
+
+def stage_field_overrides(argv: Sequence[str], flag: str = "config") -> tuple[list[str], dict[str, str]]:
+    """Splits `--config.stage.<name>.<field>=v` overrides of a field the base config has and stage
+    <name>'s overrides do not list (ml-collections can set only fields that exist) from a command
+    line: (the rest of argv, {'stage.<name>.<field>': 'v'}). `apply_stage_field_overrides` adds
+    them to the parsed config. Both the `=v` and the ` v` forms are taken."""
+    path, keys = override_keys(argv, flag)
+    args = list(argv)
+    if path is None or not any(k.startswith("stage.") for k in keys):
+        return args, {}
+    config = load_config(path)
+    rest, found = [], {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg[len(flag) + 3:].partition("=") if arg.startswith(f"--{flag}.stage.") else ("", "", "")
+        field = _stage_field(config, key, flag) if key else None
+        if field is not None:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigOverrideError(f"--{flag}.{key}: expected a value")
+                value, i = args[i + 1], i + 1
+            _parse_like(f"--{flag}.{key}", value, _get(config, field[1]))  # a bad value fails here, named
+            found[key] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, found
+
+
+def apply_stage_field_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]) -> None:
+    """Adds each 'stage.<name>.<field>': 'v' of `stage_field_overrides` to `config.stage.<name>`,
+    parsed as the type of the base config's `<field>`; the config stays locked if it was."""
+    locked = config.is_locked
+    config.unlock()
+    for key, raw in overrides.items():
+        name, field = _stage_field(config, key)
+        value = _parse_like(key, raw, _get(config, field))
+        node = config.stage[name]
+        *sections, last = field.split(".")
+        for section in sections:
+            if section not in node:
+                node[section] = ml_collections.ConfigDict()
+            node = node[section]
+        node[last] = value
+    if locked:
+        config.lock()
+
+
 def run_app(main, argv: Sequence[str] | None = None) -> None:
     """`absl.app.run(main)` after checking `--config.*` overrides, so a misspelled key stops the
-    program with one clear line instead of a traceback from inside flag parsing."""
+    program with one clear line instead of a traceback from inside flag parsing. Overrides of a
+    stage's field that its overrides do not list (`stage_field_overrides`) are added to the parsed
+    config before `main` runs."""
     import sys
 
-    from absl import app
+    from absl import app, flags
 
     argv = list(sys.argv if argv is None else argv)
     try:
         check_overrides(argv)
+        argv, stage_fields = stage_field_overrides(argv)
     except (ConfigOverrideError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
-    app.run(main, argv=argv)
+
+    def main_with_stage_fields(args):
+        if stage_fields:
+            try:
+                apply_stage_field_overrides(flags.FLAGS["config"].value, stage_fields)
+            except ConfigOverrideError as err:
+                sys.exit(f"error: {err}")
+        return main(args)
+
+    app.run(main_with_stage_fields, argv=argv)
 
 
 def enable_compilation_cache(config) -> str | None:

@@ -2,6 +2,7 @@
 global step, an evaluation of every environment after each stage, and resume in the right stage."""
 
 import json
+import re
 import os
 import pathlib
 import signal
@@ -13,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxrl_agent import build, stages
+from jaxrl_agent import build, config_lib, stages
 from tests.test_trainer import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -140,3 +141,52 @@ def test_a_resumed_stage_list_records_the_config_it_resumed_with(tmp_path):
         stages.run_stages(config, str(tmp_path), quiet=True, train=lambda *a, **k: pytest.fail("nothing to train"))
         written = json.loads((tmp_path / "config.json").read_text())
         assert written["stage"]["kb"]["rl"]["distill_coef"] == coef and written["resume"] is True
+
+
+def test_a_stage_field_its_overrides_do_not_list_is_set_from_the_command_line(tmp_path):
+    # ml-collections can only set fields that exist: `stage.kb.seed` is not among kb's overrides,
+    # so the launcher's command line splits it out and adds it, typed as the base config's field.
+    config_file = _config_file(tmp_path, tmp_path)
+    argv = ["prog", "--config", config_file, "--config.stage.kb.seed=7", "--config.stage.kb.rl.distill_coef=0.2",
+            "--config.stage.calc.rl.learning_rate", "3e-4", "--config.resume=True"]
+    config_lib.check_overrides(argv)
+    rest, fields = config_lib.stage_field_overrides(argv)
+    # Listed fields (kb's distill_coef) and top-level ones stay with ml-collections.
+    assert rest == ["prog", "--config", config_file, "--config.stage.kb.rl.distill_coef=0.2", "--config.resume=True"]
+    assert fields == {"stage.kb.seed": "7", "stage.calc.rl.learning_rate": "3e-4"}
+    config = config_lib.load_config(config_file).lock()  # as the launcher loads it
+    config_lib.apply_stage_field_overrides(config, fields)
+    assert config.is_locked
+    listed = {name: stage for name, _, stage in stages.stage_configs(config, str(tmp_path))}
+    assert listed["kb"].seed == 7 and listed["calc"].seed == listed["sft"].seed == config.seed != 7
+    assert listed["calc"].rl.learning_rate == 3e-4 and listed["kb"].rl.learning_rate == config.rl.learning_rate
+    assert listed["calc"].rl.iterations == 3  # the stage's own overrides are kept beside the new one
+
+
+@pytest.mark.parametrize("flag, named", [
+    ("--config.stage.kb.sede=7", "has no field 'sede'; did you mean --config.stage.kb.seed"),
+    ("--config.stage.nostage.seed=7", "has no field 'stage.nostage.seed'"),
+    ("--config.stage.kb.seed=seven", "--config.stage.kb.seed='seven': expected int"),
+    ("--config.stage.kb.model=1", "'model' is a section"),
+])
+def test_bad_stage_field_overrides_are_named(tmp_path, flag, named):
+    argv = ["prog", "--config", _config_file(tmp_path, tmp_path), flag]
+    with pytest.raises(config_lib.ConfigOverrideError, match=re.escape(named)):
+        config_lib.check_overrides(argv)
+        config_lib.stage_field_overrides(argv)
+
+
+def test_the_launcher_runs_a_stage_with_a_field_its_overrides_do_not_list(tmp_path):
+    # Through the launcher: a finished list resumed with a stage field on the command line trains
+    # nothing and records the config it resolved (stage kb's seed among kb's overrides).
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, name in enumerate(["sft", "calc", "kb"]):
+            f.write(json.dumps({"stage": "stage_eval", "step": i, "global_step": i, "stage_name": name}) + "\n")
+    run = _launch(_config_file(tmp_path, tmp_path), "--config.resume=True", "--config.stage.kb.seed=7")
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["stage"]["kb"]["seed"] == 7 and "seed" not in written["stage"]["calc"]
+    bad = _launch(_config_file(tmp_path, tmp_path), "--config.resume=True", "--config.stage.kb.seed=seven")
+    _, err = bad.communicate(timeout=300)
+    assert bad.returncode != 0 and "expected int" in err and "Traceback" not in err
