@@ -13,11 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(workdir: str, flags: list[str], config: str = "calculator_tiny") -> float:
-    """Runs `launch/tpu_run.py` on configs/<config>.py (or the config file `config`, a path ending
-    in .py) in `workdir` with `flags`; wall seconds."""
+    """Runs `launch/tpu_run.py` on configs/<config>.py in `workdir` with `flags`; wall seconds."""
     started = time.perf_counter()
-    path = config if config.endswith(".py") else os.path.join(ROOT, "configs", f"{config}.py")
-    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), "--config", path,
+    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_run.py"), "--config",
+                    os.path.join(ROOT, "configs", f"{config}.py"),
                     f"--config.workdir={workdir}", *flags],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return time.perf_counter() - started
