@@ -2,6 +2,7 @@
 
   python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps N (the config's)] [--rl_minutes 4]
       [--eval_tasks 32] [--levels 1,2,3] [--rl_mixture chain_sum:1] [--subagent_sft_steps N (0)]
+      [--sft_from DIR] [--rl_override=--config.x.y=v ...]
 
 configs/chain_sum_tiny.py (composite `chain_sum` tasks: the sum of two or three chains' values;
 `rollout.max_context` = 240 tokens, which an inline episode outgrows past level 1). Two arms, each
@@ -23,6 +24,10 @@ the evaluated tasks). The trained policies are then deployed (`agent.run_many`, 
 code, with its sub-agents) on the same held-out chain_sum tasks: delegations per episode,
 sub-agent success, the critical path (the longest chain of dependent turns: a delegating turn
 counts its longest sub-agent) and total turns (every sub-agent's included), per level.
+
+Each arm's folder after SFT is kept as `<workdir>/<arm>_sft`; `--sft_from DIR` starts each arm's RL
+from DIR's (and reuses DIR's sub-agent run), so that RL settings (`--rl_override`, e.g. the
+sampling temperature) can be compared from the same SFT policies.
 """
 
 from __future__ import annotations
@@ -95,6 +100,23 @@ def train_subagent(workdir: str, levels: list[int], args) -> dict:
     return subagent_record(workdir, folder, hops, args.eval_tasks, reused=False)
 
 
+def copy_sft(source: str, workdir: str, args) -> None:
+    """An earlier invocation's SFT folder of an arm (`<arm>_sft`) as this arm's `workdir`, after
+    checking that it ran this invocation's SFT flags."""
+    from jaxrl_agent import config_lib
+
+    ran = config_lib.run_config(source)
+    expected = {"sft.steps": (ran.sft.steps, args.sft_steps), "seed": (ran.seed, args.seed),
+                "env.train_difficulties": (ran.env.train_difficulties, args.levels),
+                "eval.tasks_per_difficulty": (ran.eval.tasks_per_difficulty, args.eval_tasks)}
+    differ = {k: v for k, v in expected.items() if v[0] != v[1]}
+    if differ:
+        raise SystemExit(f"--sft_from {source}: trained with other settings (key: (then, now)): {differ}")
+    if not any(r["stage"] == "sft_eval" for r in records(source)):
+        raise SystemExit(f"--sft_from {source}: its SFT did not finish")
+    shutil.copytree(source, workdir)
+
+
 def subagent_record(workdir: str, folder: str, hops: str, eval_tasks: int, *, reused: bool) -> dict:
     """The sub-agent run's exported folder and its held-out greedy chain success (its sft_eval
     record), with the binomial standard error over `eval_tasks` per level."""
@@ -132,6 +154,12 @@ def main() -> None:
                         help="0: the delegate arm's sub-agents are its own SFT policy ('initial'); N > 0: a "
                              "separate checkpoint of N SFT updates on chain alone, exported.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft_from", default="",
+                        help="An earlier invocation's workdir with the same SFT flags: each arm starts RL from "
+                             "its <arm>_sft folder (the SFT checkpoint) instead of training SFT again.")
+    parser.add_argument("--rl_override", action="append", default=[],
+                        help="A further --config.x.y=v for both arms' RL phase (repeatable), e.g. "
+                             "--rl_override=--config.rollout.temperature=0.7")
     args = parser.parse_args()
 
     levels = [int(x) for x in args.levels.split(",")]
@@ -147,6 +175,9 @@ def main() -> None:
     delegate = {"delegate": "initial", "inline": ""}
     subagent = None
     if args.subagent_sft_steps > 0:
+        source = os.path.join(args.sft_from, "subagent")
+        if args.sft_from and os.path.isdir(source) and not os.path.isdir(os.path.join(args.workdir, "subagent")):
+            shutil.copytree(source, os.path.join(args.workdir, "subagent"))  # reused below if its flags match
         subagent = train_subagent(os.path.join(args.workdir, "subagent"), levels, args)
         delegate["delegate"] = subagent["folder"]
         print(subagent, flush=True)
@@ -155,9 +186,16 @@ def main() -> None:
         workdir = os.path.join(args.workdir, arm)
         shutil.rmtree(workdir, ignore_errors=True)
         flags = [*common, f"--config.rollout.delegate={delegate[arm]}"]
-        launcher_runs.launch(workdir, [*flags, "--config.rl.iterations=0"], config="chain_sum_tiny")
+        if args.sft_from:
+            copy_sft(os.path.join(args.sft_from, f"{arm}_sft"), workdir, args)
+        else:
+            launcher_runs.launch(workdir, [*flags, "--config.rl.iterations=0"], config="chain_sum_tiny")
+            # The SFT checkpoint and records, kept for --sft_from (RL's checkpoints replace them).
+            shutil.rmtree(f"{workdir}_sft", ignore_errors=True)
+            shutil.copytree(workdir, f"{workdir}_sft")
         budget = sft_elapsed_seconds(workdir) / 60.0 + args.rl_minutes
         rl_flags = [f"--config.env.mixture={args.rl_mixture}"] if args.rl_mixture else []
+        rl_flags += args.rl_override
         launcher_runs.launch(workdir, [*flags, *rl_flags, "--config.resume=True", "--config.rl.iterations=100000",
                                        f"--config.rl.time_budget_minutes={budget:.3f}"], config="chain_sum_tiny")
         rs = records(workdir)
@@ -175,7 +213,9 @@ def main() -> None:
         print(row, flush=True)
 
     print(f"\nchain_sum, levels {args.levels}, max_context 240, {args.sft_steps} SFT updates then "
-          f"{args.rl_minutes:g} min of RL; held-out greedy success over {args.eval_tasks} tasks per level\n")
+          f"{args.rl_minutes:g} min of RL{' with ' + ' '.join(args.rl_override) if args.rl_override else ''}; "
+          f"held-out greedy success over {args.eval_tasks} tasks per level"
+          f"{'; SFT from ' + args.sft_from if args.sft_from else ''}\n")
     if subagent is not None:
         print(f"sub-agents: a separate checkpoint{' (reused)' if subagent['reused'] else ''}, "
               f"{args.subagent_sft_steps} SFT updates on chain levels {subagent['levels']}: held-out greedy "
