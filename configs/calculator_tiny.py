@@ -284,6 +284,9 @@ def get_config() -> ml_collections.ConfigDict:
     # real demonstration dataset is finite); 0 = a fresh expert episode for every example.
     config.sft.num_demonstrations = 512
     config.sft.eval_every = 0  # Held-out evaluation every N SFT updates (0 = only after SFT).
+    # With sub-agents (rollout.delegate): the share of tasks whose demonstration comes from the
+    # environment's delegating expert (chosen by task id); the rest show the inline expert.
+    config.sft.delegate_share = 1.0
 
     config.rl = ml_collections.ConfigDict()
     # Sample -> learn iterations (2.1-3.7 s each on 2 cores in process, by host): a cap; on slower

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -790,6 +791,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"data.tasks={config.data.tasks!r}: no such file")
     demonstrations = config.data.demonstrations
     need(not demonstrations or os.path.isfile(demonstrations), f"data.demonstrations={demonstrations!r}: no such file")
+    need(0.0 <= config.sft.delegate_share <= 1.0,
+         f"sft.delegate_share={config.sft.delegate_share}: expected a share in [0, 1] (of demonstrations from "
+         "an environment's delegating expert when rollout.delegate is set; the rest inline)")
     if config.sft.steps > 0 and not demonstrations:
         for name in mixture:
             try:
@@ -1115,17 +1119,21 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
                                            seed=config.seed + 2)
     tasks.next_seed = first_seed
     # With sub-agents (`rollout.delegate`) the demonstrations advertise `delegate`, and an
-    # environment's delegating expert (`expert.delegate`, where it has one) shows its use, its
-    # calls answered by the sub-tasks' scripted experts.
+    # environment's delegating expert (`expert.delegate`, where it has one) shows its use on a share
+    # `sft.delegate_share` of its tasks (chosen by task id), its calls answered by the sub-tasks'
+    # scripted experts; the rest show the inline expert, so RL can learn when delegating pays.
     delegate = rollout.delegation.scripted_subagent(lambda name: envs.make(name, **environments.kwargs)) \
         if config.rollout.delegate else None
+    share = float(config.sft.delegate_share)
 
-    def expert_for(env_name: str):
-        expert = envs.expert_policy(env_name)
-        return getattr(expert, "delegate", expert) if delegate is not None else expert
+    def expert_for(task):
+        expert = envs.expert_policy(task.env)
+        if delegate is None or zlib.crc32(task.id.encode()) / 2**32 >= share:
+            return expert
+        return getattr(expert, "delegate", expert)
 
     def demonstrate(n):
-        return [rollout.expert_trajectory(environments.environments[t.env], t, expert_for(t.env), tok,
+        return [rollout.expert_trajectory(environments.environments[t.env], t, expert_for(t), tok,
                                           template, include_system_prompt=config.rollout.include_system_prompt,
                                           tool_format=config.tokenizer.tool_format, history=config.rollout.history,
                                           context=context_settings(config),

@@ -45,6 +45,22 @@ def test_demonstrations_delegate_when_sub_agents_are_on(tmp_path):
         for t in trajectories:
             assert t.reward == 1.0 and len(t.turns[0]["delegations"]) == 2
             assert '"name":"delegate"' in tok.decode(t.tokens[t.loss_mask == 1].tolist())
+        # sft.delegate_share: that share of tasks (by task id) delegating, the rest inline (every
+        # one a success: level 1 fits the context inline).
+        config.sft.num_demonstrations = 0  # a fresh demonstration per task: every task seen
+        for share, expect in ((0.0, {False}), (0.5, {False, True}), (1.0, {True})):
+            config.sft.delegate_share = share
+            mixed = build.build_demonstrations(config, environments, {"chain_sum": (1,)}, tok, template,
+                                               first_seed=0).sample(np.random.RandomState(0), 32)
+            styles = {bool(t.turns[0].get("delegations")) for t in mixed}
+            assert styles == expect, (share, styles)
+            assert all(t.reward == 1.0 for t in mixed)
+            if share == 0.5:
+                assert 8 <= sum(bool(t.turns[0].get("delegations")) for t in mixed) <= 24
+        config.sft.delegate_share = 1.2
+        with pytest.raises(build.ConfigError, match=r"sft.delegate_share=1.2"):
+            build.validate_config(config)
+        config.sft.delegate_share, config.sft.num_demonstrations = 1.0, 512
         config.rollout.delegate = ""  # without sub-agents: the inline expert
         inline = build.build_demonstrations(config, environments, {"chain_sum": (1,)}, tok, template, first_seed=0)
         assert all("delegations" not in turn for t in inline.sample(np.random.RandomState(0), 4) for turn in t.turns)
