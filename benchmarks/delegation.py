@@ -2,7 +2,7 @@
 
   python benchmarks/delegation.py --workdir /tmp/delegation [--sft_steps N (the config's)] [--rl_minutes 4]
       [--eval_tasks 32] [--levels 1,2,3] [--rl_mixture chain_sum:1] [--subagent_sft_steps N (0)]
-      [--sft_from DIR] [--rl_override=--config.x.y=v ...]
+      [--delegate_share 1.0] [--sft_from DIR] [--rl_override=--config.x.y=v ...]
 
 configs/chain_sum_tiny.py (composite `chain_sum` tasks: the sum of two or three chains' values;
 `rollout.max_context` = 240 tokens, which an inline episode outgrows past level 1). Two arms, each
@@ -13,7 +13,9 @@ budget is its SFT time plus that):
     the orchestrator only. With `--subagent_sft_steps N` the sub-agents are a separate checkpoint
     instead: first a run of N SFT updates on `chain` alone (the levels' reads per chain), exported
     as a Hugging Face folder (`launch/export_hf.py`) and named by `rollout.delegate=<folder>`, so
-    the orchestrator's own SFT can stop short of its sub-agents' ceiling;
+    the orchestrator's own SFT can stop short of its sub-agents' ceiling. With `--delegate_share s`
+    only that share of its demonstrations delegate and the rest are inline (`sft.delegate_share`),
+    so the SFT policy has not settled when to delegate and RL learns it;
   * inline: `rollout.delegate=''` — no `delegate` tool, inline demonstrations.
 RL trains on chain_sum alone (`--rl_mixture`): the chain skill the sub-agents use is SFT's, frozen,
 and chain tasks in RL would train only the orchestrator's own chain reading, which no chain_sum
@@ -109,6 +111,8 @@ def copy_sft(source: str, workdir: str, args) -> None:
     expected = {"sft.steps": (ran.sft.steps, args.sft_steps), "seed": (ran.seed, args.seed),
                 "env.train_difficulties": (ran.env.train_difficulties, args.levels),
                 "eval.tasks_per_difficulty": (ran.eval.tasks_per_difficulty, args.eval_tasks)}
+    if ran.rollout.delegate:
+        expected["sft.delegate_share"] = (ran.sft.delegate_share, args.delegate_share)
     differ = {k: v for k, v in expected.items() if v[0] != v[1]}
     if differ:
         raise SystemExit(f"--sft_from {source}: trained with other settings (key: (then, now)): {differ}")
@@ -154,6 +158,9 @@ def main() -> None:
                         help="0: the delegate arm's sub-agents are its own SFT policy ('initial'); N > 0: a "
                              "separate checkpoint of N SFT updates on chain alone, exported.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--delegate_share", type=float, default=1.0,
+                        help="The delegate arm's sft.delegate_share: the share of its demonstrations that "
+                             "delegate (the rest inline), so that RL decides when to delegate.")
     parser.add_argument("--sft_from", default="",
                         help="An earlier invocation's workdir with the same SFT flags: each arm starts RL from "
                              "its <arm>_sft folder (the SFT checkpoint) instead of training SFT again.")
@@ -186,6 +193,8 @@ def main() -> None:
         workdir = os.path.join(args.workdir, arm)
         shutil.rmtree(workdir, ignore_errors=True)
         flags = [*common, f"--config.rollout.delegate={delegate[arm]}"]
+        if arm == "delegate":
+            flags.append(f"--config.sft.delegate_share={args.delegate_share}")
         if args.sft_from:
             copy_sft(os.path.join(args.sft_from, f"{arm}_sft"), workdir, args)
         else:
@@ -212,7 +221,8 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
 
-    print(f"\nchain_sum, levels {args.levels}, max_context 240, {args.sft_steps} SFT updates then "
+    share = f" (the delegate arm's {args.delegate_share:g} delegating)" if args.delegate_share != 1 else ""
+    print(f"\nchain_sum, levels {args.levels}, max_context 240, {args.sft_steps} SFT updates{share} then "
           f"{args.rl_minutes:g} min of RL{' with ' + ' '.join(args.rl_override) if args.rl_override else ''}; "
           f"held-out greedy success over {args.eval_tasks} tasks per level"
           f"{'; SFT from ' + args.sft_from if args.sft_from else ''}\n")
