@@ -197,6 +197,7 @@ def run_app(main, argv: Sequence[str] | None = None) -> None:
         argv, stage_fields = stage_field_overrides(argv)
     except (ConfigOverrideError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
+    sys.argv = argv  # ml-collections reads its overrides from sys.argv, not from app.run's argv
 
     def main_with_stage_fields(args):
         if stage_fields:
