@@ -67,14 +67,14 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
-def check_overrides(argv: Sequence[str], flag: str = "config") -> None:
+def check_overrides(argv: Sequence[str], flag: str = "config", config=None) -> None:
     """Raises ConfigOverrideError naming every override key the config file does not define.
     `stage.<name>.<field>` of a defined stage is valid for any field of the base config
-    (`stage_field_overrides`)."""
+    (`stage_field_overrides`). `config`: the config file's, when the caller has loaded it."""
     path, keys = override_keys(argv, flag)
     if path is None or not keys:
         return
-    config = load_config(path)
+    config = load_config(path) if config is None else config
     valid = list(_all_keys(config))
     for key in keys:
         if key in valid or _stage_field(config, key, flag) is not None:
@@ -134,16 +134,18 @@ def _parse_like(key: str, raw: str, like):
         raise ConfigOverrideError(f"{key}={raw!r}: expected {kind}, like the base config's {like!r}") from None
 
 
-def stage_field_overrides(argv: Sequence[str], flag: str = "config") -> tuple[list[str], dict[str, str]]:
+def stage_field_overrides(argv: Sequence[str], flag: str = "config",
+                          config=None) -> tuple[list[str], dict[str, str]]:
     """Splits `--config.stage.<name>.<field>=v` overrides of a field the base config has and stage
     <name>'s overrides do not list (ml-collections can set only fields that exist) from a command
     line: (the rest of argv, {'stage.<name>.<field>': 'v'}). `apply_stage_field_overrides` adds
-    them to the parsed config. Both the `=v` and the ` v` forms are taken."""
+    them to the parsed config. Both the `=v` and the ` v` forms are taken. `config`: the config
+    file's, when the caller has loaded it."""
     path, keys = override_keys(argv, flag)
     args = list(argv)
     if path is None or not any(k.startswith("stage.") for k in keys):
         return args, {}
-    config = load_config(path)
+    config = load_config(path) if config is None else config
     rest, found = [], {}
     i = 0
     while i < len(args):
@@ -193,8 +195,10 @@ def run_app(main, argv: Sequence[str] | None = None) -> None:
 
     argv = list(sys.argv if argv is None else argv)
     try:
-        check_overrides(argv)
-        argv, stage_fields = stage_field_overrides(argv)
+        path, keys = override_keys(argv)
+        config = load_config(path) if path is not None and keys else None  # loaded once for both checks
+        check_overrides(argv, config=config)
+        argv, stage_fields = stage_field_overrides(argv, config=config)
     except (ConfigOverrideError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     sys.argv = argv  # ml-collections reads its overrides from sys.argv, not from app.run's argv
