@@ -113,9 +113,7 @@ def copy_sft(source: str, workdir: str, args) -> None:
                 "eval.tasks_per_difficulty": (ran.eval.tasks_per_difficulty, args.eval_tasks)}
     if ran.rollout.delegate:
         expected["sft.delegate_share"] = (ran.sft.delegate_share, args.delegate_share)
-    differ = {k: v for k, v in expected.items() if v[0] != v[1]}
-    if differ:
-        raise SystemExit(f"--sft_from {source}: trained with other settings (key: (then, now)): {differ}")
+    launcher_runs.require_same_settings("--sft_from", source, expected)
     if not any(r["stage"] == "sft_eval" for r in records(source)):
         raise SystemExit(f"--sft_from {source}: its SFT did not finish")
     shutil.copytree(source, workdir)

@@ -192,9 +192,7 @@ def check_same_run(args, plain: str, stage_a: str, stage_b: str) -> None:
         key, _, value = flag.removeprefix("--config.").partition("=")
         if key == f"stage.{stage_b}.rl.learning_rate":
             expected[key] = (ran.stage[stage_b].rl.learning_rate, float(value))
-    differ = {k: v for k, v in expected.items() if v[0] != v[1]}
-    if differ:
-        raise SystemExit(f"--stages_from {plain}: trained with other settings (key: (then, now)): {differ}")
+    launcher_runs.require_same_settings("--stages_from", plain, expected)
     if stage_b not in stage_evals(plain):
         raise SystemExit(f"--stages_from {plain}: its plain stage {stage_b} did not finish")
 

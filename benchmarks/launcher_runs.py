@@ -33,6 +33,14 @@ def host_choices_path() -> str | None:
     return host_tuning.host_choices_path(config.get("compilation_cache_dir", ""))
 
 
+def require_same_settings(flag: str, folder: str, expected: dict[str, tuple]) -> None:
+    """Stops the benchmark when an earlier invocation's `folder`, reused through `flag`, ran other
+    settings: `expected` maps each config key to (what it ran, what this invocation asks)."""
+    differ = {k: v for k, v in expected.items() if v[0] != v[1]}
+    if differ:
+        raise SystemExit(f"{flag} {folder}: trained with other settings (key: (then, now)): {differ}")
+
+
 def records(workdir: str) -> list[dict]:
     """The run's metrics.jsonl, one dict per record."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:

@@ -11,7 +11,7 @@ import difflib
 import importlib.util
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -240,7 +240,8 @@ def reference_markdown(path: str) -> str:
     with its value and the comment the file gives it (on its line, or the comment lines above it).
     docs/config.md is this for configs/calculator_tiny.py (a test keeps the two equal)."""
     config = load_config(path)
-    lines = open(path, encoding="utf-8").read().splitlines()
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
     sections: dict[str, list[tuple[str, str, str]]] = {}
     notes: dict[str, str] = {}
     above: list[str] = []
@@ -269,9 +270,9 @@ def reference_markdown(path: str) -> str:
         above = []
     shown = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     out = [f"# Configuration reference (`{shown}`)", "",
-           "Every key of the embedded default, its value there and what it does. Override any of them on the "
-           "command line (`--config.section.key=value`) or in Python (`config.section.key = value`). Generated "
-           "from the config file's comments by `jaxrl_agent.config_lib.reference_markdown`.", ""]
+           ("Every key of the embedded default, its value there and what it does. Override any of them on the "
+            "command line (`--config.section.key=value`) or in Python (`config.section.key = value`). Generated "
+            "from the config file's comments by `jaxrl_agent.config_lib.reference_markdown`."), ""]
     for section, rows in sections.items():
         out += [f"## `{section or 'top level'}`", ""]
         if section in notes:
