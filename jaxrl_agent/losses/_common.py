@@ -53,6 +53,16 @@ def clamped_log_ratio(logprobs: jax.Array, reference_logprobs: jax.Array) -> jax
     return jnp.clip(logprobs - reference_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def k3(x: jax.Array) -> jax.Array:
+    """Schulman's (2020) k3 estimate exp(-x) - 1 + x of a KL from log-ratios x, elementwise.
+
+    Written expm1(-x) + x: in float32, exp(-x) - 1 + x loses the value to rounding for |x| below
+    ~1e-3 (at |x| ~ 1e-4 about 44% of tokens come out negative, by up to 6e-8, against a true
+    value of ~5e-9). The estimate is >= 0 by definition; rounding left below 0 is set to 0.
+    """
+    return jnp.maximum(jnp.expm1(-x) + x, 0.0)
+
+
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     m = as_float_mask(mask)
     return jnp.sum(jnp.where(mask.astype(bool), x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_agent.losses._common import as_float_mask, clamped_log_ratio, masked_fraction, masked_max, masked_mean, token_arrays
+from jaxrl_agent.losses._common import as_float_mask, clamped_log_ratio, k3, masked_fraction, masked_max, masked_mean, token_arrays
 
 LEVELS = ("token", "sequence")
 
@@ -111,6 +111,6 @@ def drift_metrics(
     return {
         "drift/sampler_abs_diff_mean": masked_mean(gap, mask),
         "drift/sampler_abs_diff_max": masked_max(gap, mask),
-        "drift/approx_kl_old": masked_mean(jnp.exp(-x) - 1.0 + x, mask),
+        "drift/approx_kl_old": masked_mean(k3(x), mask),
         "drift/token_count": jnp.sum(as_float_mask(mask)),
     }

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxrl_agent.losses._common import (
     as_float_mask,
     clamped_log_ratio,
+    k3,
     masked_fraction,
     masked_max,
     masked_mean,
@@ -32,7 +33,7 @@ Metrics = dict[str, jax.Array]
 
 def _ratio_metrics(prefix: str, ratio: jax.Array, log_ratio: jax.Array, mask: jax.Array) -> Metrics:
     # k3 estimate of KL(pi_old || pi_theta) (Schulman 2020, "Approximating KL divergence").
-    approx_kl = masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask)
+    approx_kl = masked_mean(k3(log_ratio), mask)
     return {
         f"{prefix}/ratio_mean": masked_mean(ratio, mask),
         f"{prefix}/ratio_max": masked_max(ratio, mask),

@@ -6,7 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jaxrl_agent.losses._common import as_float_mask, clamped_log_ratio, masked_mean, token_arrays
+from jaxrl_agent.losses._common import as_float_mask, clamped_log_ratio, k3, masked_mean, token_arrays
 
 # k3's value is clamped to this range (as in common RLHF trainers' "low_var_kl"): a single token
 # whose log-ratio explodes must not dominate the batch.
@@ -21,7 +21,7 @@ def kl_penalty(
     With x = log pi_theta(y_t) - log pi_ref(y_t) (clamped to +-20):
       k1 = x                       unbiased, high variance, can be negative
       k2 = x^2 / 2                 biased, low variance; its gradient is that of the true KL
-      k3 = exp(-x) - 1 + x         unbiased, non-negative, low variance; clamped to [-10, 10]
+      k3 = exp(-x) - 1 + x         unbiased, non-negative, low variance; clamped to [0, 10]
     (Schulman 2020, "Approximating KL divergence".)
 
     Args:
@@ -37,7 +37,7 @@ def kl_penalty(
     elif estimator == "k2":
         values = 0.5 * x**2
     elif estimator == "k3":
-        values = jnp.clip(jnp.exp(-x) - 1.0 + x, -K3_CLAMP, K3_CLAMP)
+        values = jnp.minimum(k3(x), K3_CLAMP)
     else:
         raise ValueError(f"estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
     values = values * as_float_mask(mask)
@@ -52,7 +52,7 @@ def distillation_loss(logprobs: jax.Array, teacher_logprobs: jax.Array, mask: ja
 
     With x = log pi_student(y_t) - log pi_teacher(y_t) (clamped to +-20), the per-token surrogate
     has the value of k3 = exp(-x) - 1 + x (unbiased for the KL, >= 0, 0 iff the two agree on the
-    token; clamped to [-10, 10]) and the gradient of the reverse KL's policy gradient,
+    token; clamped to [0, 10]) and the gradient of the reverse KL's policy gradient,
     sg(x) * grad log pi_student(y_t), i.e. the per-token reward -x of on-policy distillation:
 
         surrogate_t = sg(k3_t) + sg(x_t) * (log pi_student(y_t) - sg(log pi_student(y_t)))
@@ -67,9 +67,9 @@ def distillation_loss(logprobs: jax.Array, teacher_logprobs: jax.Array, mask: ja
     """
     lp, teacher = token_arrays(mask, logprobs, teacher_logprobs)
     x = jax.lax.stop_gradient(clamped_log_ratio(lp, teacher))
-    k3 = jnp.clip(jnp.exp(-x) - 1.0 + x, -K3_CLAMP, K3_CLAMP)
-    values = (k3 + x * (lp - jax.lax.stop_gradient(lp))) * as_float_mask(mask)
-    return values, {"distill/kl_k3": masked_mean(k3, mask), "distill/kl_k1": masked_mean(x, mask)}
+    kl = jnp.minimum(k3(x), K3_CLAMP)
+    values = (kl + x * (lp - jax.lax.stop_gradient(lp))) * as_float_mask(mask)
+    return values, {"distill/kl_k3": masked_mean(kl, mask), "distill/kl_k1": masked_mean(x, mask)}
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
