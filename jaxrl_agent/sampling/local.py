@@ -15,13 +15,14 @@ import concurrent.futures
 import dataclasses
 import heapq
 import logging
+import math
 import threading
 import time
 from typing import Sequence
 
 import numpy as np
 
-from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row
+from jaxrl_agent.sampling.engine import MIN_PREFILL_ROWS, AgentEngine, decode_result_row
 from jaxrl_agent.sampling.types import FINISH_REASONS, Completion, PromptTooLongError, Sampler, SamplingParams  # noqa: F401 - re-exported
 from jaxrl_agent.sampling.prefix_cache import PrefixIndex
 
@@ -71,9 +72,26 @@ def check_prompt(engine: AgentEngine, prompt_ids: Sequence[int]) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+# The fixed cost of one prefill call, in padded token slots (rows x bucket): dispatch, the
+# weights' traffic and the insert, which a merged call pays once.
+PREFILL_CALL_SLOTS = 64
+
+
+def _prefill_slots(rows: int, bucket: int) -> int:
+    """Padded token slots of one batched prefill call: rows rounded up to a power of two (at least
+    MIN_PREFILL_ROWS), each padded to the bucket, plus the call's fixed cost."""
+    padded_rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(rows, 1)))))
+    return padded_rows * bucket + PREFILL_CALL_SLOTS
+
+
 def _by_bucket(engine: AgentEngine, items: list, length) -> list[list]:
-    """`items` grouped by the prefill bucket of `length(item)` (prompts that are too long form a
-    group of their own and fail there)."""
+    """`items` in prefill calls: grouped by the prefill bucket of `length(item)`, then neighbouring
+    buckets merged where one call padded to the longer bucket costs fewer padded token slots
+    (`_prefill_slots`) than separate calls — each call pads its rows to at least MIN_PREFILL_ROWS,
+    so 8 turns with tool results of 10-40 tokens are one call of 8 x 64, not three of 8 x 16, 8 x 32
+    and 8 x 64 — while one long prompt among many short ones keeps a call of its own. The
+    partition of the sorted buckets into runs is the cheapest one (dynamic programming over at most
+    a few buckets). Prompts that are too long form a group of their own and fail there."""
     groups: dict[int, list] = {}
     for item in items:
         try:
@@ -81,7 +99,18 @@ def _by_bucket(engine: AgentEngine, items: list, length) -> list[list]:
         except PromptTooLongError:
             bucket = -1
         groups.setdefault(bucket, []).append(item)
-    return list(groups.values())
+    too_long = groups.pop(-1, None)
+    buckets = sorted(groups)
+    # best[i]: (cost, runs) of the cheapest calls for buckets[:i]; a run buckets[j:i] is one call
+    # padded to buckets[i - 1].
+    best = [(0, [])]
+    for i in range(1, len(buckets) + 1):
+        best.append(min(
+            (best[j][0] + _prefill_slots(sum(len(groups[b]) for b in buckets[j:i]), buckets[i - 1]),
+             best[j][1] + [buckets[j:i]])
+            for j in range(i)))
+    calls = [[item for b in run for item in groups[b]] for run in best[-1][1]]
+    return calls + ([too_long] if too_long else [])
 
 
 @dataclasses.dataclass
@@ -245,7 +274,7 @@ def admit_requests(engine: AgentEngine, index: PrefixIndex, state, items: list[t
     `params_version`; returns the new decode state and {slot: error} for prompts that failed.
 
     Prompts continuing a cached prefix run only their new tokens (`extend_insert_many`); the rest
-    are prefilled whole. One batched call per length bucket: a batch is padded to its longest
+    are prefilled whole. Batched calls by length (`_by_bucket`): a batch is padded to its longest
     prompt, and one long prompt (an error message as the observation, say) would otherwise pad
     every row to it. A failing batch is retried one prompt at a time, so a bad prompt fails alone.
     """

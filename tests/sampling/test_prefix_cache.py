@@ -110,3 +110,39 @@ def test_temperature_sampling_stream_is_unchanged_by_the_cache():
     for e, g in zip(expected, got):
         assert g.token_ids == e.token_ids
         np.testing.assert_allclose(g.logprobs, e.logprobs, atol=1e-5)
+
+
+class _Buckets:
+    """The one engine method `_by_bucket` reads: power-of-two buckets from 16, at most 128."""
+
+    @staticmethod
+    def bucket_length(length):
+        from jaxrl_agent.sampling.engine import AgentEngine
+        return AgentEngine.bucket_length(type("E", (), {"_max_prefill": 128})(), length)
+
+
+def test_prefill_calls_merge_buckets_when_padding_costs_less_than_another_call():
+    from jaxrl_agent.sampling import local
+
+    def calls(lengths):
+        return [sorted(group) for group in local._by_bucket(_Buckets(), list(lengths), lambda n: n)]
+
+    # Eight tool results of 10-40 tokens: one call of 8 x 64 (576 slots with the call's cost), not
+    # 8 x 16 + 8 x 32 + 8 x 64 (1,088 slots) as when each bucket had a call of its own.
+    assert calls([10, 12, 20, 25, 30, 33, 38, 40]) == [[10, 12, 20, 25, 30, 33, 38, 40]]
+    # One long prompt among many short ones keeps a call of its own: 32 x 16 + 8 x 128, not 64 x 128.
+    assert calls([9] * 32 + [100]) == [[9] * 32, [100]]
+    # Too long for any bucket: a group of its own (it fails there alone).
+    assert calls([5, 500]) == [[5], [500]]
+    assert calls([]) == []
+    # The chosen calls never cost more than one call per bucket, nor than one call for everything.
+    rng = np.random.RandomState(0)
+    for _ in range(50):
+        lengths = rng.randint(1, 129, rng.randint(1, 70)).tolist()
+        cost = lambda groups: sum(local._prefill_slots(len(g), _Buckets.bucket_length(max(g))) for g in groups)
+        per_bucket = {}
+        for n in lengths:
+            per_bucket.setdefault(_Buckets.bucket_length(n), []).append(n)
+        chosen = calls(lengths)
+        assert sorted(n for g in chosen for n in g) == sorted(lengths)
+        assert cost(chosen) <= min(cost(per_bucket.values()), cost([lengths]))
