@@ -47,6 +47,11 @@ MIN_DECODE_ROWS = 8
 # ... and attends over the first W cache positions only, W = S/4 or S/2 of the S positions when
 # the live requests' positions stay below it, at least this.
 MIN_DECODE_WINDOW = 64
+# Prefix-cache copies (a finished request's keys/values saved into the pool, a continued one's
+# taken back into a slot) move the first W positions only, W = S/4 or S/2 when the tokens lie below
+# it, at least this: below it a full-length copy is small, and each window is one more compiled
+# shape of the extend and save calls.
+MIN_COPY_WINDOW = 128
 
 
 # XLA:CPU options for the decode loop (`generate`). Measured on the benchmark shape (2 layers,
@@ -243,8 +248,9 @@ class AgentEngine(engine_api.Engine):
         self._insert_fn = jax.jit(_insert, donate_argnums=(1,))
         self._free_fn = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask), donate_argnums=(0,))
         self._prefill_insert_fn = jax.jit(functools.partial(_prefill_insert_many, config, seed), donate_argnums=(1,))
-        self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,))
-        self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,))
+        self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,),
+                                         static_argnames=("window",))
+        self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,), static_argnames=("window",))
         self._generate = functools.partial(_generate, config, steps_per_call,
                                            jnp.asarray(self.stop_token_ids, jnp.int32))
         self._decode_fns: dict[tuple, Callable] = {}  # one jitted decode loop per option set
@@ -441,20 +447,37 @@ class AgentEngine(engine_api.Engine):
         params, version = params_version or self.current_params()
         batch = self._batch_rows(suffixes, lengths, self.bucket_length(max(lengths)), samplings, slots)
         pad = batch["pad"]
+        window = self.copy_window(max(start + length for start, length in zip(starts, lengths)))
         return self._extend_insert_fn(
             params, decode_state, np.asarray(list(entries) + [0] * pad, np.int32),
             np.asarray(list(starts) + [0] * pad, np.int32), batch["tokens"], batch["true_lengths"],
             batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"], np.int32(version),
-            batch["slots"])
+            batch["slots"], window=window)
 
-    def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int]) -> DecodeState:
-        """Copies the keys/values of `slots` into prefix-cache `entries` (before the slots are reused)."""
+    def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int], *,
+                      length: int | None = None) -> DecodeState:
+        """Copies the keys/values of `slots` into prefix-cache `entries` (before the slots are
+        reused): their first `length` positions (None = all; `copy_window(length)` are copied)."""
         if len(slots) != len(entries):
             raise ValueError(f"{len(slots)} slots and {len(entries)} entries differ")
         rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(len(slots), 1)))))
         pad = rows - len(slots)
         return self._save_fn(decode_state, np.asarray(list(slots) + [0] * pad, np.int32),
-                             np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32))
+                             np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32),
+                             window=self.copy_window(length))
+
+    def copy_window(self, length: int | None) -> int:
+        """Cache positions a prefix-cache copy moves when the tokens that matter lie below position
+        `length`: S/4 or S/2 (at least MIN_COPY_WINDOW) when they fit, else all S (None = all).
+        Positions past the window are never read for these tokens: a slot's attention is masked
+        at its own position, and a pool entry serves only prefixes of the tokens it stored."""
+        s = self.max_cache_length
+        if length is None:
+            return s
+        for window in (s // 4, s // 2):
+            if MIN_COPY_WINDOW <= window < s and length <= window:
+                return window
+        return s
 
     def decode_rows(self, live_slots: int | None) -> int:
         """Slots a `generate` call decodes when every live slot lies below `live_slots`: B/8 or B/4
@@ -583,12 +606,15 @@ def _prefill_insert_many(config, seed, params, state: DecodeState, unique_tokens
 
 
 def _extend_insert_many(config, seed, params, state: DecodeState, entries, starts, tokens, true_lengths, counts,
-                        temperature, top_k, top_p, version, slots) -> DecodeState:
+                        temperature, top_k, top_p, version, slots, window: int) -> DecodeState:
     """Rows start from prefix-cache entries [N] holding `starts` [N] positions; tokens [N, T] (the
-    right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them."""
+    right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them.
+    Only the entries' first `window` positions (static; starts + true_lengths <= window) are
+    taken, attended over and put into the slots."""
     t = tokens.shape[1]
-    # A padded suffix may run past the cache's end; `extend` drops those writes (only padding).
-    rows = models.KVCache(*(tuple(c[entries] for c in caches) for caches in (state.pool.k, state.pool.v)))
+    # A padded suffix may run past the window's end; `extend` drops those writes (only padding).
+    rows = models.KVCache(tuple(c[entries][..., :window] for c in state.pool.k),
+                          tuple(c[entries][:, :, :window] for c in state.pool.v))
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     last, cache = models.extend(config, params, tokens, positions, rows,
                                 at=jnp.arange(tokens.shape[0]) * t + true_lengths - 1)  # [N, V]
@@ -596,10 +622,14 @@ def _extend_insert_many(config, seed, params, state: DecodeState, entries, start
                               version, slots)
 
 
-def _save_prefixes(state: DecodeState, slots, entries) -> DecodeState:
-    """pool[entries[i]] = cache[slots[i]] per layer (an entry index >= M drops the row)."""
-    put = lambda pool, cache: tuple(p.at[entries].set(c[slots], mode="drop") for p, c in zip(pool, cache))
-    return state.replace(pool=models.KVCache(put(state.pool.k, state.cache.k), put(state.pool.v, state.cache.v)))
+def _save_prefixes(state: DecodeState, slots, entries, window: int) -> DecodeState:
+    """pool[entries[i], :window] = cache[slots[i], :window] per layer, over the position axis of
+    keys [.., D, S] and values [.., S, D] (an entry index >= M drops the row)."""
+    keys = tuple(p.at[entries, :, :, :window].set(c[slots][..., :window], mode="drop")
+                 for p, c in zip(state.pool.k, state.cache.k))
+    values = tuple(p.at[entries, :, :window, :].set(c[slots][:, :, :window], mode="drop")
+                   for p, c in zip(state.pool.v, state.cache.v))
+    return state.replace(pool=models.KVCache(keys, values))
 
 
 def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts, temperature, top_k, top_p, version,

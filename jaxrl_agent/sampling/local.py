@@ -330,16 +330,17 @@ def prefix_reusable(engine: AgentEngine, prompt: np.ndarray, builder: Completion
 
 def save_prefixes(engine: AgentEngine, index: PrefixIndex, state, finished: list[tuple[int, np.ndarray, int]]):
     """Copies finished slots' keys/values into prefix-cache entries: (slot, its tokens, version)."""
-    save_slots, entries = [], []
+    save_slots, entries, length = [], [], 0
     for slot, tokens, version in finished:
         entry = index.store(tokens, version)
         if entry is not None:
             save_slots.append(slot)
             entries.append(entry)
+            length = max(length, len(tokens))
     if not save_slots:
         return state
     try:
-        return engine.save_prefixes(state, save_slots, entries)
+        return engine.save_prefixes(state, save_slots, entries, length=length)
     except Exception:  # noqa: BLE001 - a cache that failed to fill is forgotten, never fatal
         logging.getLogger(__name__).warning("prefix cache save failed; cache cleared", exc_info=True)
         index.clear()

@@ -146,3 +146,40 @@ def test_prefill_calls_merge_buckets_when_padding_costs_less_than_another_call()
         chosen = calls(lengths)
         assert sorted(n for g in chosen for n in g) == sorted(lengths)
         assert cost(chosen) <= min(cost(per_bucket.values()), cost([lengths]))
+
+
+def test_prefix_copies_of_the_first_positions_only_sample_what_a_full_prefill_samples():
+    """At a 512-position cache the pool copies move S/4 or S/2 positions while a history is short
+    (`AgentEngine.copy_window`). Slots and entries that held longer histories before keep stale
+    keys/values past the window: a continued turn must still sample exactly a full prefill's tokens."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=40)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, TOKENIZER.vocab_size, 10).tolist() for _ in range(4)]
+    observations = [[rng.randint(3, TOKENIZER.vocab_size, 48).tolist() for _ in range(4)] for _ in range(4)]
+
+    def run(sampler):
+        # A long episode first (its keys/values reach ~360 positions), then short ones in its slot.
+        histories, turns = [list(p) for p in prompts], []
+        for observation in observations + [None]:
+            completions = sampler.generate_many(histories, sampling)
+            turns.append([c.token_ids for c in completions])
+            if observation is not None:
+                histories = [h + list(c.token_ids) + o for h, c, o in zip(histories, completions, observation)]
+        short = [p[:5] for p in prompts]
+        first = sampler.generate_many(short, sampling)
+        turns.append([c.token_ids for c in sampler.generate_many(
+            [s + list(c.token_ids) + [7, 8, 9] for s, c in zip(short, first)], sampling)])
+        return turns
+
+    engine = dict(max_concurrent_decodes=4, max_prefill_length=512, max_cache_length=512, steps_per_call=4)
+    with LocalSampler(_engine(**engine)) as plain:
+        expected = run(plain)
+    cached_engine = _engine(prefix_cache_entries=4, **engine)
+    windows = []
+    copy_window = cached_engine.copy_window
+    cached_engine.copy_window = lambda length: windows.append(copy_window(length)) or windows[-1]
+    with LocalSampler(cached_engine) as cached:
+        got = run(cached)
+        assert cached.stats["prefix_hits"] == 4 * 4 + 4
+    assert {128, 256, 512} <= set(windows)
+    assert got == expected
