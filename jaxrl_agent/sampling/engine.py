@@ -54,6 +54,23 @@ MIN_DECODE_WINDOW = 64
 MIN_COPY_WINDOW = 128
 
 
+def prefill_rows(n: int) -> int:
+    """Rows of a batched prefill, extend or save call for n requests: a power of two, at least
+    MIN_PREFILL_ROWS (each distinct row count compiles once)."""
+    return max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _cache_window(cache_length: int, end: int | None, minimum: int) -> int:
+    """S/4 or S/2 of the S = cache_length positions, at least `minimum`, when positions below
+    `end` fit in it; else S (None = S)."""
+    if end is None:
+        return cache_length
+    for window in (cache_length // 4, cache_length // 2):
+        if minimum <= window < cache_length and end <= window:
+            return window
+    return cache_length
+
+
 # XLA:CPU options for the decode loop (`generate`). Measured on the benchmark shape (2 layers,
 # d = 256, vocabulary 8192; one process, the variants' calls alternated; benchmarks/RESULTS.md):
 #  * min / max without NaN propagation, at every size: the row max of the logits vectorises (a
@@ -401,7 +418,7 @@ class AgentEngine(engine_api.Engine):
         is out of range), with per-row sampling params and RNG stream counts. Host (numpy) arrays:
         the jitted call transfers them, where a `jnp.asarray` each cost ~0.1 ms of dispatch."""
         n = len(token_rows)
-        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(n))))
+        rows = prefill_rows(n)
         pad = rows - n
         tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
         for i, row in enumerate(token_rows):
@@ -460,7 +477,7 @@ class AgentEngine(engine_api.Engine):
         reused): their first `length` positions (None = all; `copy_window(length)` are copied)."""
         if len(slots) != len(entries):
             raise ValueError(f"{len(slots)} slots and {len(entries)} entries differ")
-        rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(len(slots), 1)))))
+        rows = prefill_rows(len(slots))
         pad = rows - len(slots)
         return self._save_fn(decode_state, np.asarray(list(slots) + [0] * pad, np.int32),
                              np.asarray(list(entries) + [self.prefix_cache_entries] * pad, np.int32),
@@ -471,13 +488,7 @@ class AgentEngine(engine_api.Engine):
         `length`: S/4 or S/2 (at least MIN_COPY_WINDOW) when they fit, else all S (None = all).
         Positions past the window are never read for these tokens: a slot's attention is masked
         at its own position, and a pool entry serves only prefixes of the tokens it stored."""
-        s = self.max_cache_length
-        if length is None:
-            return s
-        for window in (s // 4, s // 2):
-            if MIN_COPY_WINDOW <= window < s and length <= window:
-                return window
-        return s
+        return _cache_window(self.max_cache_length, length, MIN_COPY_WINDOW)
 
     def decode_rows(self, live_slots: int | None) -> int:
         """Slots a `generate` call decodes when every live slot lies below `live_slots`: B/8 or B/4
@@ -496,13 +507,8 @@ class AgentEngine(engine_api.Engine):
         """Cache positions a `generate` call attends over when every live request's next token
         lies below position `live_length`: S/4 or S/2 (at least MIN_DECODE_WINDOW) when the call's
         `steps_per_call` tokens still fit below it, else all S — three compiled shapes at most."""
-        s = self.max_cache_length
-        if live_length is None:
-            return s
-        for window in (s // 4, s // 2):
-            if MIN_DECODE_WINDOW <= window < s and live_length + self.steps_per_call <= window:
-                return window
-        return s
+        end = None if live_length is None else live_length + self.steps_per_call
+        return _cache_window(self.max_cache_length, end, MIN_DECODE_WINDOW)
 
     def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None,
                  live_length: int | None = None):

@@ -15,14 +15,13 @@ import concurrent.futures
 import dataclasses
 import heapq
 import logging
-import math
 import threading
 import time
 from typing import Sequence
 
 import numpy as np
 
-from jaxrl_agent.sampling.engine import MIN_PREFILL_ROWS, AgentEngine, decode_result_row
+from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row, prefill_rows
 from jaxrl_agent.sampling.types import FINISH_REASONS, Completion, PromptTooLongError, Sampler, SamplingParams  # noqa: F401 - re-exported
 from jaxrl_agent.sampling.prefix_cache import PrefixIndex
 
@@ -78,16 +77,15 @@ PREFILL_CALL_SLOTS = 64
 
 
 def _prefill_slots(rows: int, bucket: int) -> int:
-    """Padded token slots of one batched prefill call: rows rounded up to a power of two (at least
-    MIN_PREFILL_ROWS), each padded to the bucket, plus the call's fixed cost."""
-    padded_rows = max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(rows, 1)))))
-    return padded_rows * bucket + PREFILL_CALL_SLOTS
+    """Padded token slots of one batched prefill call: its rows (`engine.prefill_rows`), each
+    padded to the bucket, plus the call's fixed cost."""
+    return prefill_rows(rows) * bucket + PREFILL_CALL_SLOTS
 
 
 def _by_bucket(engine: AgentEngine, items: list, length) -> list[list]:
     """`items` in prefill calls: grouped by the prefill bucket of `length(item)`, then neighbouring
     buckets merged where one call padded to the longer bucket costs fewer padded token slots
-    (`_prefill_slots`) than separate calls — each call pads its rows to at least MIN_PREFILL_ROWS,
+    (`_prefill_slots`) than separate calls — each call pads its rows to at least 8,
     so 8 turns with tool results of 10-40 tokens are one call of 8 x 64, not three of 8 x 16, 8 x 32
     and 8 x 64 — while one long prompt among many short ones keeps a call of its own. The
     partition of the sorted buckets into runs is the cheapest one (dynamic programming over at most
