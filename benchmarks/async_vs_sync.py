@@ -32,6 +32,11 @@ VARIANTS = {
     "sync": [],
     "windowed_fifo + partial": ["--config.rollout.schedule=windowed_fifo", "--config.rollout.window=128",
                                 "--config.rollout.token_budget=64"],
+    # The same with decoupled PPO's correction (Hilton et al. 2022; AReaL): the regulariser and trust
+    # region around the iteration's starting policy, recomputed by the learner, instead of around the
+    # (up to 4 versions stale) sampling policy, which is weighted by pi_prox / pi_sampler (capped).
+    "windowed_fifo + partial + decoupled": ["--config.rollout.schedule=windowed_fifo", "--config.rollout.window=128",
+                                            "--config.rollout.token_budget=64", "--config.rl.correction=decoupled"],
     "async (S=2) + partial": ["--config.rollout.schedule=async", "--config.rollout.max_staleness=2",
                               "--config.rollout.token_budget=64"],
     # The staleness bound's two knobs: a looser bound, or stale tokens kept with zero loss weight
