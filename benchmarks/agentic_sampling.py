@@ -3,6 +3,7 @@ re-prefills the growing history every turn; one invocation, alternating rounds.
 
   python benchmarks/agentic_sampling.py --tunix_python /tmp/tunix_venv/bin/python [--batches 8,32]
       [--rounds 5] [--episodes 2] [--steps_per_call 4]
+  python benchmarks/agentic_sampling.py --breakdown [--batches 8,32] [--episodes 8]   # where ours spends its time
 
 Episodes (benchmarks/agentic_plan.py): 4 assistant turns of 16-64 tokens, tool results of 10-40
 tokens between them, each turn's prompt the whole history so far; greedy, no early stop. Model: the
@@ -16,6 +17,11 @@ built alike on both sides. Arms, each round in this order, per batch size:
     histories as one padded batch per turn.
 Reports generated tokens/s and seconds per episode batch (medians over all rounds' episode
 batches) and the ratio ours / tunix per round.
+
+`--breakdown` instead times every engine call of the `ours` arm (each followed by a wait for its
+result, which adds a little to each call): ms and calls per episode batch for decoding (`generate`),
+first-turn prefills, continued turns (`extend_insert_many`), saves to the prefix pool and frees,
+after two warm-up episode batches.
 """
 
 from __future__ import annotations
@@ -63,6 +69,48 @@ def play(sampler: LocalSampler, batch: int, ids_seed: int) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
+ENGINE_CALLS = {"generate": "decode (generate)", "prefill_insert_many": "first-turn prefill",
+                "extend_insert_many": "continued turns (extend)", "save_prefixes": "save to the prefix pool",
+                "free_slots": "free slots"}
+
+
+def timed_engine_calls(engine) -> dict[str, list[float]]:
+    """Wraps the engine's admission, decode and bookkeeping calls (ENGINE_CALLS) so that each waits
+    for its result and records its seconds; returns {method: [seconds per call]}, filled as it runs."""
+    times = {name: [] for name in ENGINE_CALLS}
+
+    def wrap(name, method):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = jax.block_until_ready(method(*args, **kwargs))
+            times[name].append(time.perf_counter() - start)
+            return out
+        return call
+
+    for name in ENGINE_CALLS:
+        setattr(engine, name, wrap(name, getattr(engine, name)))
+    return times
+
+
+def breakdown(config, params, batches, steps: int, episodes: int) -> None:
+    """Per batch size: ms and calls per episode batch of each engine call of the `ours` arm, over
+    `episodes` episode batches after two warm-ups, and the wall time per episode batch."""
+    seeds = iter(range(1, 10**9))
+    print(f"\n| batch | engine call | ms per episode batch | calls per episode batch | ms per call |\n|---|---|---|---|---|")
+    for b in batches:
+        with our_sampler(config, params, b, steps, True) as sampler:
+            play(sampler, b, next(seeds))
+            play(sampler, b, next(seeds))
+            times = timed_engine_calls(sampler.engine)
+            wall = [play(sampler, b, next(seeds))[1] for _ in range(episodes)]
+        for name, label in ENGINE_CALLS.items():
+            total = sum(times[name])
+            if times[name]:
+                print(f"| {b} | {label} | {total / episodes * 1e3:.1f} | {len(times[name]) / episodes:.1f} | "
+                      f"{total / len(times[name]) * 1e3:.2f} |")
+        print(f"| {b} | wall time (median) | {statistics.median(wall) * 1e3:.1f} | | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tunix_python", default="", help="A Python with google-tunix ('' = our arms only).")
@@ -70,10 +118,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=2, help="Episode batches per arm per round.")
     parser.add_argument("--steps_per_call", type=int, default=4)
+    parser.add_argument("--breakdown", action="store_true", help="Time each engine call of ours instead (no tunix).")
     args = parser.parse_args()
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))
     batches = [int(b) for b in args.batches.split(",")]
+    if args.breakdown:
+        return breakdown(config, params, batches, args.steps_per_call, args.episodes)
     arms = ["ours", "ours, no prefix cache"] + (["tunix"] if args.tunix_python else [])
     samplers, tunix = {}, {}
     results = {(b, arm): [] for b in batches for arm in arms}  # (tokens, seconds) per episode batch
