@@ -703,7 +703,8 @@ def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, versi
         position = jnp.minimum(state.position, max_len - 1)
         logits, cache = models.decode_step(config, params, state.next_token, position, state.cache, kernel=kernel)
         rng, key = jax.random.split(state.rng)
-        token, logprob = decoding.sample_tokens(logits, key, state.temperature, state.top_k, state.top_p)
+        with jax.named_scope("sample_tokens"):  # names its ops in profiles (benchmarks/decode_profile.py)
+            token, logprob = decoding.sample_tokens(logits, key, state.temperature, state.top_k, state.top_p)
         keep_going = state.active & ~is_stop & (state.position < max_len)
         new_state = state.replace(
             cache=cache,

@@ -1,0 +1,180 @@
+"""Where a decode step's time goes: a per-op profile of the engine's decode loop, by model part.
+
+  python benchmarks/decode_profile.py [--rows 8] [--temperature 0] [--options small_batch] [--calls 10]
+
+Builds the sampler benchmark's engine (`sampler_throughput.py`: Qwen3-style, 2 layers, d=256,
+vocabulary 8192, float32; cache 96, 16 steps per call) with `rows` slots, all decoding, times its
+`generate` calls, then records `calls` of them under `jax.profiler` and sums each XLA:CPU op's time
+per decode step. Every op is put in a part of the step by the name of the JAX operation it came
+from (the HLO's `op_name` metadata): the attention projections (q, k, v, o), the attention products
+(scores and the weighted sum over the cache), the cache write, the MLP, the norms, the output head,
+sampling (everything of `decoding.sample_tokens`), and the rest (the loop, RoPE, embedding).
+
+Also printed: how the ops were spread over the host's threads — the busy time of each thread, the
+time two threads were busy at once, and the step's span in the trace. Ops run one at a time on one
+thread or the other, and the profiler adds a little to each op, so the parts add up to more
+than the step's untraced time, which is printed first. Reads nothing from the repository's
+configs; needs only jax (the trace is parsed from its Perfetto JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sampler_throughput import MODEL, _engine  # noqa: E402
+
+from jaxrl_agent import models  # noqa: E402
+from jaxrl_agent.sampling import engine as engine_lib  # noqa: E402
+
+# (part, pattern in the op's JAX name), first match wins.
+PARTS = (
+    ("attention projections", r"/attn/(q_proj|k_proj|v_proj|o_proj)/"),
+    ("attention products", r"/attn/bkq"),
+    ("attention softmax", r"/attn/.*(reduce_max|exp|reduce_sum|div|add|sub)"),
+    ("cache write", r"/attn/(scatter|dynamic_update_slice)"),
+    ("q/k norms, RoPE", r"/attn/"),  # RoPE's rotation is a concatenate, fused with the q/k norms
+    ("MLP", r"/mlp/"),
+    ("norms", r"norm"),
+    ("output head", r"h,hv->|output_kernel"),
+    ("embedding", r"embed"),
+)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the JAX operation name in its metadata ('' when it has none)."""
+    names = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            names.setdefault(m.group(1), op.group(1) if op else "")
+    return names
+
+
+def part_of(jax_name: str) -> str:
+    if "sample_tokens" in jax_name or "decoding" in jax_name:
+        return "sampling"
+    for part, pattern in PARTS:
+        if re.search(pattern, jax_name):
+            return part
+    return "other (the loop, unnamed reductions, copies)"
+
+
+def _union(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(x, y) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            total += b - a
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def profile(rows: int, temperature: float, options: str, calls: int) -> None:
+    config = models.ModelConfig(**MODEL)
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    engine = _engine(config, params, rows, 16, 64, decode_compiler_options=engine_lib.DECODE_OPTION_SETS[options])
+    state = engine.init_decode_state()
+    state = state.replace(active=jnp.ones_like(state.active), temperature=jnp.full_like(state.temperature, temperature))
+
+    def run(n, state):
+        for _ in range(n):
+            state, result = engine.generate(None, state)
+            np.asarray(result.data)
+        return state
+
+    state = run(3, state)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        state = run(2, state)
+        times.append((time.perf_counter() - start) / (2 * engine.steps_per_call))
+    step_us = statistics.median(times) * 1e6
+    with engine._lock:
+        weights, kernel, version = engine._params, engine._kernel, engine._version
+    fn = engine._generate_small_fn if rows <= engine_lib.SMALL_DECODE_ROWS else engine._generate_fn
+    hlo = fn.lower(weights, kernel, state, np.int32(version), rows=rows,
+                   window=engine.decode_window(None)).compile().as_text()
+    names = op_names(hlo)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        state = run(calls, state)
+        jax.profiler.stop_trace()
+        path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    steps = calls * engine.steps_per_call
+    by_part, by_op, per_thread = collections.Counter(), collections.Counter(), collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or e.get("dur", 0) <= 0 or e["name"] not in names:
+            continue
+        if e["name"].startswith(("while", "call", "cond")):
+            continue  # containers: their ops are counted themselves
+        by_part[part_of(names[e["name"]])] += e["dur"]
+        by_op[e["name"]] += e["dur"]
+        per_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    print(f"\ndecode step, {rows} rows, temperature {temperature}, options {options}: "
+          f"{step_us:.0f} us untraced (median of 10 timings of 2 calls x {engine.steps_per_call} steps)\n")
+    print("| part of the step | us per step (traced) | share |\n|---|---|---|")
+    total = sum(by_part.values())
+    for part, us in by_part.most_common():
+        print(f"| {part} | {us / steps:.1f} | {us / total:.0%} |")
+    print(f"| all ops | {total / steps:.1f} | |\n")
+    print("| op | us per step | JAX operation |\n|---|---|---|")
+    for name, us in by_op.most_common(12):
+        print(f"| {name} | {us / steps:.1f} | {names[name][-80:]} |")
+    threads = sorted(per_thread, key=lambda t: -len(per_thread[t]))[:2]
+    unions = {t: _union(per_thread[t]) for t in threads}
+    busy = [sum(b - a for a, b in unions[t]) / steps for t in threads]
+    both = _overlap(unions[threads[0]], unions[threads[1]]) / steps if len(threads) == 2 else 0.0
+    whole = _union([iv for t in threads for iv in per_thread[t]])
+    print(f"\nthreads running ops: {len(per_thread)}; busiest two busy {', '.join(f'{b:.0f}' for b in busy)} us per step, "
+          f"both at once {both:.0f} us; ops' span {(whole[-1][1] - whole[0][0]) / steps:.0f} us per step "
+          f"(traced), of which some op runs {sum(b - a for a, b in whole) / steps:.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the sampler benchmark's)")
+    parser.add_argument("--options", default="small_batch", choices=sorted(engine_lib.DECODE_OPTION_SETS))
+    parser.add_argument("--calls", type=int, default=10, help="generate calls traced")
+    args = parser.parse_args()
+    profile(args.rows, args.temperature, args.options, args.calls)
+
+
+if __name__ == "__main__":
+    main()
