@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_agent import (build, checkpoint, invariants, learner, losses, models, replay, rewards, rollout, run_schedule,
+from jaxrl_agent import (build, checkpoint, heap, invariants, learner, losses, models, replay, rewards, rollout, run_schedule,
                          sharding)
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent.run import Run, RunStopped, build_run  # noqa: F401 - the run's parts; RunStopped for callers
@@ -129,6 +129,7 @@ def run_rl(run: Run) -> None:
         run.judge = build.build_judge(config, run.model_config, run.judge_params, run.tokenizer, run.template)
     durations: list[float] = []  # RL iterations' wall time, evaluations and checkpoints included
     run.writer.console.bar("rl", c.iterations, initial=first_iteration - 1)
+    heap.freeze_built()  # the learner and rollout parts just built: out of every later collection
     try:
         for iteration in range(first_iteration, c.iterations + 1):
             iteration_started = time.monotonic()
@@ -316,8 +317,9 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
                                               f"{' (step ' + str(run.checkpointer.step) + ')' if run.resume else ''}")
         if run.resume is None:
             run.log("initial_eval", 0, run.evaluate())
-        run_sft(run)
-        run_rl(run)
+        with heap.frozen_heap():
+            run_sft(run)
+            run_rl(run)
         summary = summarize(run.writer.read()) if run.writer.active else {}
         if summary:
             run.log("summary", run.version, summary, global_step=run.global_step, console=(
