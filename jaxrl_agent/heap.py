@@ -16,23 +16,31 @@ import contextlib
 import gc
 
 
+_open_blocks = 0  # `frozen_heap` blocks being run (in this process)
+
+
 @contextlib.contextmanager
 def frozen_heap():
     """Collects, then freezes every object that exists now for the duration of the block and
     unfreezes them after it (they become collectable again). A heap the caller had already frozen
     is left frozen."""
+    global _open_blocks
     already_frozen = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
+    _open_blocks += 1
     try:
         yield
     finally:
+        _open_blocks -= 1
         if not already_frozen:
             gc.unfreeze()
 
 
 def freeze_built() -> None:
     """Inside `frozen_heap()`: collects, then freezes every object that exists now as well (the
-    parts a stage built before its loop); `frozen_heap` unfreezes them with the rest."""
-    gc.collect()
-    gc.freeze()
+    parts a stage built before its loop); `frozen_heap` unfreezes them with the rest. Outside one
+    (e.g. `trainer.run_rl` called on its own) it does nothing: nothing would unfreeze them."""
+    if _open_blocks > 0:
+        gc.collect()
+        gc.freeze()

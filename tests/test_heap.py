@@ -45,3 +45,9 @@ def test_a_heap_frozen_by_the_caller_stays_frozen():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_freeze_built_outside_a_frozen_heap_freezes_nothing():
+    gc.unfreeze()
+    heap.freeze_built()
+    assert gc.get_freeze_count() == 0
