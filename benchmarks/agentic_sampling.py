@@ -96,7 +96,7 @@ def breakdown(config, params, batches, steps: int, episodes: int) -> None:
     """Per batch size: ms and calls per episode batch of each engine call of the `ours` arm, over
     `episodes` episode batches after two warm-ups, and the wall time per episode batch."""
     seeds = iter(range(1, 10**9))
-    print(f"\n| batch | engine call | ms per episode batch | calls per episode batch | ms per call |\n|---|---|---|---|---|")
+    print("\n| batch | engine call | ms per episode batch | calls per episode batch | ms per call |\n|---|---|---|---|---|")
     for b in batches:
         with our_sampler(config, params, b, steps, True) as sampler:
             play(sampler, b, next(seeds))
