@@ -65,10 +65,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(list(VARIANTS)[:3]))
     parser.add_argument("--seeds", default="0", help="RL seeds, comma-separated: each schedule runs once per seed.")
     args = parser.parse_args()
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
+    names = launcher_runs.chosen("--variants", args.variants, VARIANTS)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
 
     sft_dir = os.path.join(args.workdir, "sft")

@@ -41,6 +41,15 @@ def require_same_settings(flag: str, folder: str, expected: dict[str, tuple]) ->
         raise SystemExit(f"{flag} {folder}: trained with other settings (key: (then, now)): {differ}")
 
 
+def chosen(flag: str, value: str, known) -> list[str]:
+    """The comma-separated names of `value` (a `flag`'s), each one of `known`; exits naming the others."""
+    names = [n for n in value.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown}; expected some of {list(known)}")
+    return names
+
+
 def records(workdir: str) -> list[dict]:
     """The run's metrics.jsonl, one dict per record."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
