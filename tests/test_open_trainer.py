@@ -448,7 +448,11 @@ def test_distillation_from_the_config_distils_against_the_weights_rl_starts_from
     config = _rl_only(tiny_config(tmp_path / "initial"), iterations=2)
     config.sft.steps, config.checkpoint.every, config.checkpoint.keep = 2, 1, 5
     config.rl.distill_coef = 0.5
-    rl = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
+    # Rewards that differ within every group: the policy term updates the weights at both iterations
+    # (the distillation term's gradient is zero at the teacher), whatever the untrained policy samples.
+    rl = [r for r in _records(trainer.train_and_evaluate(config, quiet=True, reward_fn=_scrambled_reward))
+          if r["stage"] == "rl"]
+    assert all(r["trained_trajectories"] > 0 for r in rl)
     assert all(r["distill/loss"] == pytest.approx(0.5 * r["distill/kl_k3"], rel=1e-5) for r in rl)
     assert all(0.0 <= r["distill/kl_k3"] < 1e-3 for r in rl)  # a few small steps from the teacher
     saved = checkpoint.Checkpointer(str(tmp_path / "initial" / "checkpoints"), 2)
