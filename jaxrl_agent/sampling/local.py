@@ -138,10 +138,11 @@ class LocalSampler:
         # request (taken from the prefix cache, or an identical prompt prefilled in the same batch);
         # decode_seconds / admit_seconds: wall time in `generate` calls / in prefilling admitted
         # requests; live_slots / decoded_slots: summed over generate calls, the requests decoding
-        # and the slots the call ran (compact calls run fewer than max_concurrent_decodes).
+        # and the slots the call ran (compact calls run fewer than max_concurrent_decodes);
+        # cancelled: requests cancelled while queued, dropped without running.
         self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0,
                       "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "decode_seconds": 0.0,
-                      "admit_seconds": 0.0, "live_slots": 0, "decoded_slots": 0}
+                      "admit_seconds": 0.0, "live_slots": 0, "decoded_slots": 0, "cancelled": 0}
         self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
         self._thread.start()
 
@@ -197,12 +198,22 @@ class LocalSampler:
                     self._wake.wait()
                 self.stats["idle_seconds"] += time.perf_counter() - idle_since
                 if self._stopped:
-                    for request in list(slots.values()) + list(self._pending):
+                    for request in slots.values():
                         request.future.set_exception(RuntimeError("the sampler was closed"))
+                    for request in self._pending:
+                        if request.future.set_running_or_notify_cancel():  # False: cancelled while queued
+                            request.future.set_exception(RuntimeError("the sampler was closed"))
                     return
                 admitted = []
                 while free and self._pending:
-                    admitted.append((heapq.heappop(free), self._pending.popleft()))
+                    request = self._pending.popleft()
+                    # Running from here on: a caller that cancels it now (an asyncio task awaiting
+                    # `generate`, cancelled) no longer cancels the future, whose result this thread
+                    # sets when the request ends. One cancelled while queued is dropped unrun.
+                    if request.future.set_running_or_notify_cancel():
+                        admitted.append((heapq.heappop(free), request))
+                    else:
+                        self.stats["cancelled"] += 1
             if admitted:
                 admit_started = time.perf_counter()
                 state = self._admit(state, admitted, slots, free)

@@ -1,6 +1,8 @@
 """The engine and the in-process sampler: exact greedy decoding, exact log-probs, slots, stops."""
 
+import asyncio
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +99,43 @@ def test_context_limit_and_prompt_rejection():
             sampler.submit(TOKENIZER.encode("0123456789abcdefg"))
         with pytest.raises(ValueError, match="prompt ids must lie in"):
             sampler.submit([CONFIG.vocab_size + 3])
+
+
+def test_a_cancelled_request_never_stops_the_sampler():
+    """Cancelling the asyncio task that awaits `generate` (a timeout, an episode closed at the end of
+    a run) leaves the sampler serving: a request already decoding runs to its end unseen, one still
+    queued is dropped unrun (counted), and later requests complete. (The decoding one's result, set
+    on a future its caller had cancelled, used to raise in the sampler's thread and end it: every
+    later request waited forever.)"""
+    engine = _engine(max_concurrent_decodes=1)  # one slot: a second request waits in the queue
+    entered, release = threading.Event(), threading.Event()
+    real_generate = engine.generate
+
+    def held_generate(*args, **kwargs):  # the first decode call waits until both are cancelled
+        entered.set()
+        release.wait(30)
+        return real_generate(*args, **kwargs)
+
+    engine.generate = held_generate
+    prompt = TOKENIZER.encode("Q: 1+2=?")
+
+    async def scenario(sampler):
+        decoding_one = asyncio.ensure_future(sampler.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20)))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        queued_one = asyncio.ensure_future(sampler.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20)))
+        await asyncio.sleep(0.05)  # submitted
+        for task in (decoding_one, queued_one):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        release.set()
+        return await asyncio.wait_for(sampler.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5)), 60)
+
+    with LocalSampler(engine) as sampler:
+        completion = asyncio.run(scenario(sampler))
+        assert list(completion.token_ids) == _greedy_reference(prompt, 5)[0]
+        assert sampler.stats["cancelled"] == 1 and sampler.stats["requests"] == 2  # the decoding one ran out
+        assert sampler._thread.is_alive()
 
 
 def test_weight_update_takes_effect_and_versions_are_recorded():
