@@ -48,11 +48,10 @@ def rl_curve(rs: list[dict]) -> tuple[float, list[tuple[int, float, float]]]:
     RL seconds: the wall time of the RL iterations before the evaluation — the gaps between
     consecutive records, less each evaluation's own (an `rl_eval` record's gap is its evaluation;
     the first iteration's gap is counted from the initial evaluation's record)."""
-    start = next(r for r in rs if r["stage"] in ("initial_eval", "sft_eval"))
+    first = next(i for i, r in enumerate(rs) if r["stage"] in ("initial_eval", "sft_eval"))
+    start = rs[first]
     previous, seconds, curve = start["time"], 0.0, []
-    for r in rs:
-        if r["time"] <= start["time"] and r is not start:
-            continue
+    for r in rs[first + 1:]:
         if r["stage"] == "rl":
             seconds += r["time"] - previous
             previous = r["time"]
