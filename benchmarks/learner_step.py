@@ -1,6 +1,7 @@
 """The learner's train step against tunix's GRPO update, same shape, same session.
 
   python benchmarks/learner_step.py [--steps 10] [--rounds 1] [--tunix_python /path/to/tunix_venv/bin/python]
+      [--host_allocator reuse|system] [--tunix_host_allocator system|reuse]
 
 Shape: Qwen3-style, 2 layers, d=256, 4 heads / 2 KV heads, head_dim 64, MLP 768, vocab 8192, tied
 embeddings, float32; 8 sequences of 128 tokens (16 prompt + 112 sampled). Ours: `learner.make_train_step`
@@ -11,7 +12,10 @@ trained positions (the batch's `target_index`, as the trainer packs it with `lea
 `benchmarks/tunix_learner_baseline.py`, kept running in a subprocess. Both are compiled first; then
 `--rounds` rounds alternate `--steps` timed steps of ours with `--steps` of tunix's, so that a slow
 spell of this (shared, noisy) machine falls on both. Prints median step times over all rounds,
-trained tokens/s, the ratio of the medians and the median of the per-round ratios.
+trained tokens/s, the ratio of the medians and the median of the per-round ratios. Ours runs under
+the launcher's `host_allocator` (default 'reuse': freed memory kept for the next step, CPU
+computations on the calling thread; jaxrl_agent/heap.py), tunix under the C library's defaults
+unless `--tunix_host_allocator reuse` gives it the same.
 """
 
 from __future__ import annotations
@@ -79,11 +83,19 @@ def main() -> None:
     parser.add_argument("--logits_chunk", type=int, default=0, help="learner.logits_chunk (0 = whole rows)")
     parser.add_argument("--target_multiple", type=int, default=16,
                         help="learner.target_multiple (0 = logits at every position, as before)")
+    parser.add_argument("--host_allocator", choices=("reuse", "system"), default="reuse",
+                        help="ours: config.host_allocator (the launcher's default: reuse; jaxrl_agent/heap.py)")
+    parser.add_argument("--tunix_host_allocator", choices=("reuse", "system"), default="system",
+                        help="the same setting in tunix's process (system = as tunix runs by default)")
     args = parser.parse_args()
+    from jaxrl_agent import heap
+
+    heap.set_host_allocator(args.host_allocator)  # as the launcher does, before the first computation
     learners = [("jaxrl_agent train_step", ours(args.batch, args.prompt, args.completion, args.logits_chunk,
                                                 args.target_multiple))]
     tunix = ServedBaseline(args.tunix_python, __file__.replace("learner_step.py", "tunix_learner_baseline.py"),
-                           ["--batch", str(args.batch), "--prompt", str(args.prompt), "--completion", str(args.completion)],
+                           ["--batch", str(args.batch), "--prompt", str(args.prompt), "--completion", str(args.completion),
+                            "--host_allocator", args.tunix_host_allocator],
                            "tunix_times=") if args.tunix_python else None
     if tunix:
         learners.append(("tunix GRPO update", tunix.request))
@@ -103,7 +115,8 @@ def main() -> None:
         tunix.close()
     tokens = args.batch * args.completion
     print(f"\nshape: {args.batch} x {args.prompt + args.completion} tokens ({tokens} trained); "
-          f"{args.rounds} round(s) of {args.steps} steps each; medians over all steps\n")
+          f"{args.rounds} round(s) of {args.steps} steps each; medians over all steps; host allocator: ours "
+          f"{args.host_allocator}" + (f", tunix {args.tunix_host_allocator}" if tunix else "") + "\n")
     print("| learner | step time (ms) | trained tokens/s |")
     print("|---|---|---|")
     medians = [statistics.median(times[name]) for name, _ in learners]

@@ -15,6 +15,7 @@ its own steps with rounds of these, so both see the same machine state.
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -36,7 +37,14 @@ def main():
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--completion", type=int, default=112)
     parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--host_allocator", choices=("reuse", "system"), default="system",
+                        help="reuse: jaxrl_agent's launcher setting (jaxrl_agent/heap.py) in this process too")
     args = parser.parse_args()
+    if args.host_allocator == "reuse":  # heap.py needs only the standard library (and jax)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from jaxrl_agent import heap
+
+        heap.set_host_allocator("reuse")
     config = qwen3.ModelConfig(num_layers=2, vocab_size=8192, embed_dim=256, hidden_dim=768, num_heads=4,
                                head_dim=64, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=True)
     model = qwen3.Qwen3(config, rngs=nnx.Rngs(params=0))

@@ -605,6 +605,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     def one_of(key: str, value, options):
         need(value in options, f"{key}={value!r}: expected one of {options}")
 
+    from jaxrl_agent import heap
+
+    one_of("host_allocator", config.get("host_allocator", "system"), heap.HOST_ALLOCATORS)
     r, rl, learner_c = config.rollout, config.rl, config.learner
     need(r.max_context <= learner_c.row_length,
          f"rollout.max_context={r.max_context} exceeds learner.row_length={learner_c.row_length}: "

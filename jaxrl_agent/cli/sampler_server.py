@@ -34,6 +34,12 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv
+    from jaxrl_agent import heap
+
+    try:  # first, before JAX starts its threads (as the trainer does)
+        heap.set_host_allocator(_CONFIG.value.get("host_allocator", "system"))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     import asyncio
     import logging
     import sys

@@ -27,6 +27,13 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv
+    from jaxrl_agent import heap
+
+    # First, before JAX starts its threads (glibc fixes its arenas when a thread first needs one).
+    try:
+        heap.set_host_allocator(_CONFIG.value.get("host_allocator", "system"))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     import jax
 
     if _DISTRIBUTED.value or _COORDINATOR.value:
