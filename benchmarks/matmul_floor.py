@@ -16,6 +16,7 @@ Steps measured in the same rounds, alternated with their floors: the engine's de
 (`AgentEngine.decode_step_seconds`, with the decode options chosen for this host) and the train step
 of `benchmarks/learner_step.py`. Model: the sampler and learner benchmarks' shape (Qwen3-style,
 2 layers, d=256, 4 heads / 2 KV x 64, MLP 768, vocabulary 8192, float32). Medians over rounds.
+Run under the launcher's `host_allocator` (default 'reuse', jaxrl_agent/heap.py), steps and floors alike.
 """
 
 from __future__ import annotations
@@ -130,7 +131,12 @@ def main() -> None:
     parser.add_argument("--decode_rows", default="8,32")
     parser.add_argument("--steps_per_call", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=64, help="Sizes the engine's cache as the sampler benchmark.")
+    parser.add_argument("--host_allocator", choices=("reuse", "system"), default="reuse",
+                        help="config.host_allocator for the steps and their floors (the launcher's default: reuse)")
     args = parser.parse_args()
+    from jaxrl_agent import heap
+
+    heap.set_host_allocator(args.host_allocator)  # as the launcher does, before the first computation
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))
     pairs = {}

@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.compilation_cache_dir = "~/.cache/jaxrl_agent/xla"
     # The launcher's C heap: 'reuse' keeps what glibc's malloc frees for the next request and runs
     # CPU computations on the calling thread (XLA:CPU's per-step temporary buffers are otherwise
-    # unmapped and faulted in again each step: 14-20% of the learner and SFT steps on 2 cores);
+    # unmapped and faulted in again each step: 16-22% of the learner and SFT steps on 2 cores);
     # 'system' = the C library's and JAX's defaults. No effect where the C library is not glibc.
     config.host_allocator = "reuse"
 

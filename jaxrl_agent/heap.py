@@ -14,7 +14,7 @@ XLA:CPU allocates each execution's temporary buffer (all of a program's intermed
 for the default's learner and SFT steps) with `malloc` and frees it when the execution ends.
 glibc serves every request over its mmap threshold (at most 32 MB) from a fresh `mmap` and
 returns it at `free`, so each step first-touches its whole temporary buffer again, one page fault
-per 4 KiB page: ~39,000 faults a step on the learner benchmark's shape, 14-20% of the learner
+per 4 KiB page: ~39,000 faults a step on the learner benchmark's shape, 16-22% of the learner
 and SFT steps on this project's hosts (benchmarks/RESULTS.md). `reuse_freed_memory()` makes
 glibc keep freed memory for the next request instead (no mmap, no trim of the main heap), and
 `set_host_allocator('reuse')` also runs CPU computations on the thread that calls them (JAX's
