@@ -17,6 +17,15 @@ def _records(workdir):
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
 
 
+# Restoring a checkpoint whose arrays were truncated fails in orbax, whose event loop then closes
+# while tensorstore's reads of the other arrays are still finishing on its own (non-Python) threads;
+# each of those completions calls the closed loop and is reported as "Exception ignored in: None ...
+# RuntimeError: Event loop is closed" (pytest's unraisable-exception warning). The run is not
+# affected (it falls back, as these tests assert); only the tests that truncate arrays see it.
+_TRUNCATED_RESTORE_NOISE = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
+
+
 def _nan_loss(logprobs, sampler_logprobs, ref_logprobs, advantages, mask, cfg):
     return jnp.sum(logprobs * mask) * jnp.nan, {}
 
@@ -47,6 +56,7 @@ def _truncate_arrays(step_dir):
 
 
 @pytest.mark.slow
+@_TRUNCATED_RESTORE_NOISE
 def test_resume_falls_back_past_a_checkpoint_that_does_not_restore(tmp_path):
     config = _rl_only(tiny_config(tmp_path), iterations=3)
     config.checkpoint.every, config.checkpoint.keep = 1, 3
@@ -62,6 +72,7 @@ def test_resume_falls_back_past_a_checkpoint_that_does_not_restore(tmp_path):
     assert [r["step"] for r in records if r["stage"] == "rl"] == [1, 2, 3, 3, 4]
 
 
+@_TRUNCATED_RESTORE_NOISE
 def test_every_checkpoint_broken_is_an_error_not_a_fresh_start(tmp_path):
     config = _rl_only(tiny_config(tmp_path), iterations=1)
     trainer.train_and_evaluate(config, quiet=True)
