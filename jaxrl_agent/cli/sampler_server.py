@@ -36,7 +36,7 @@ def main(argv):
     del argv
     from jaxrl_agent import heap
 
-    try:  # first, before JAX starts its threads (as the trainer does)
+    try:  # first, before the first computation (as the trainer does)
         heap.set_host_allocator(_CONFIG.value.get("host_allocator", "system"))
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None

@@ -29,7 +29,7 @@ def main(argv):
     del argv
     from jaxrl_agent import heap
 
-    # First, before JAX starts its threads (glibc fixes its arenas when a thread first needs one).
+    # First, before the first computation (JAX reads its CPU dispatch setting when it builds the client).
     try:
         heap.set_host_allocator(_CONFIG.value.get("host_allocator", "system"))
     except ValueError as err:
