@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from served_baseline import ServedBaseline
 
+from jaxrl_agent import heap
+
 
 def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target_multiple: int = 16):
     """Compiles our train step on the benchmark shape; returns `timed(steps) -> [seconds per step]`."""
@@ -83,13 +85,11 @@ def main() -> None:
     parser.add_argument("--logits_chunk", type=int, default=0, help="learner.logits_chunk (0 = whole rows)")
     parser.add_argument("--target_multiple", type=int, default=16,
                         help="learner.target_multiple (0 = logits at every position, as before)")
-    parser.add_argument("--host_allocator", choices=("reuse", "system"), default="reuse",
+    parser.add_argument("--host_allocator", choices=heap.HOST_ALLOCATORS, default="reuse",
                         help="ours: config.host_allocator (the launcher's default: reuse; jaxrl_agent/heap.py)")
-    parser.add_argument("--tunix_host_allocator", choices=("reuse", "system"), default="system",
+    parser.add_argument("--tunix_host_allocator", choices=heap.HOST_ALLOCATORS, default="system",
                         help="the same setting in tunix's process (system = as tunix runs by default)")
     args = parser.parse_args()
-    from jaxrl_agent import heap
-
     heap.set_host_allocator(args.host_allocator)  # as the launcher does, before the first computation
     learners = [("jaxrl_agent train_step", ours(args.batch, args.prompt, args.completion, args.logits_chunk,
                                                 args.target_multiple))]

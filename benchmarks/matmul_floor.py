@@ -39,6 +39,8 @@ import learner_step  # noqa: E402
 import launcher_runs  # noqa: E402
 from sampler_throughput import MODEL, _engine  # noqa: E402
 
+from jaxrl_agent import heap  # noqa: E402
+
 from jaxrl_agent import models  # noqa: E402
 from jaxrl_agent.sampling import engine as engine_lib, host_tuning  # noqa: E402
 
@@ -131,11 +133,9 @@ def main() -> None:
     parser.add_argument("--decode_rows", default="8,32")
     parser.add_argument("--steps_per_call", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=64, help="Sizes the engine's cache as the sampler benchmark.")
-    parser.add_argument("--host_allocator", choices=("reuse", "system"), default="reuse",
+    parser.add_argument("--host_allocator", choices=heap.HOST_ALLOCATORS, default="reuse",
                         help="config.host_allocator for the steps and their floors (the launcher's default: reuse)")
     args = parser.parse_args()
-    from jaxrl_agent import heap
-
     heap.set_host_allocator(args.host_allocator)  # as the launcher does, before the first computation
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))

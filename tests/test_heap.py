@@ -114,3 +114,28 @@ def test_a_bad_host_allocator_is_named():
     config.host_allocator = "jemalloc"
     with pytest.raises(build.ConfigError, match=r"host_allocator='jemalloc': expected one of"):
         build.validate_config(config)
+
+
+_LAUNCHER_PROBE = r'''
+import sys
+import jax
+from jaxrl_agent.cli import train
+try:
+    train.run(["train", "--mode", "smoke", "--config", "configs/calculator_tiny.py",
+               "--config.host_allocator=" + sys.argv[1]])
+except SystemExit:
+    pass
+print("async_dispatch", jax.config.values["jax_cpu_enable_async_dispatch"])
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt is glibc's")
+@pytest.mark.parametrize("allocator,async_dispatch", [("reuse", False), ("system", True)])
+def test_the_launcher_sets_the_configs_host_allocator(allocator, async_dispatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _LAUNCHER_PROBE, allocator], capture_output=True, text=True,
+                         timeout=300, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "forward pass ok" in out.stdout, out.stdout[-2000:]
+    assert f"async_dispatch {async_dispatch}" in out.stdout, out.stdout[-2000:]
