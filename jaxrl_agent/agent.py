@@ -147,7 +147,6 @@ def load(workdir: str, *, config=None, step: int | None = None, temperature: flo
     (no checkpoint: a copy of the initial parameters), and `settings` delegates to them."""
     from jaxrl_agent import build, checkpoint
     from jaxrl_agent.config_lib import run_config
-    from jaxrl_agent.sampling.local import LocalSampler
 
     config = config if config is not None else run_config(workdir)
     model_config, params = build.build_model(config)
@@ -157,7 +156,7 @@ def load(workdir: str, *, config=None, step: int | None = None, temperature: flo
         params, restored, _ = checkpoint.restore_policy(checkpoints, params, keep=config.checkpoint.keep, step=step)
     tok = build.build_tokenizer(config)
     template = build.build_template(config)
-    sampler = LocalSampler(build.build_engine(config, model_config, params, tok))
+    sampler = build.build_local_sampler(config, model_config, params, tok)
     settings, subagent_sampler = build.episode_settings(config, temperature), None
     if config.rollout.delegate:
         frozen = params

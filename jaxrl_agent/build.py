@@ -164,24 +164,63 @@ def stop_token_ids(config, tok: tokenizer_lib.Tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def build_engine(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *, version: int = 0):
+def build_engine(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *, version: int = 0,
+                 slots: int | None = None, cache_entries: int | None = None, seed: int | None = None):
     """The JetStream engine for the sampler section of the config, with the decode options chosen
-    for this host (`sampler.decode_options`; `engine.decode_choice` says which and how)."""
+    for this host (`sampler.decode_options`; `engine.decode_choice` says which and how). `slots`,
+    `cache_entries` and `seed` replace the config's (`build_engines` splits them between engines)."""
     from jaxrl_agent.sampling import host_tuning
     from jaxrl_agent.sampling.engine import AgentEngine
 
     engine = AgentEngine(
         model_config, params, tok, stop_token_ids=stop_token_ids(config, tok),
-        max_concurrent_decodes=config.sampler.max_concurrent_decodes,
+        max_concurrent_decodes=config.sampler.max_concurrent_decodes if slots is None else slots,
         max_prefill_length=config.sampler.max_prefill_length,
         max_cache_length=config.sampler.max_cache_length,
         steps_per_call=config.sampler.steps_per_call,
-        prefix_cache_entries=config.sampler.prefix_cache_entries,
-        version=version, seed=config.seed,
+        prefix_cache_entries=config.sampler.prefix_cache_entries if cache_entries is None else cache_entries,
+        version=version, seed=config.seed if seed is None else seed,
     )
     host_tuning.tune_engine(engine, config.sampler.decode_options,
                             cache_path=host_tuning.host_choices_path(config.get("compilation_cache_dir", "")))
     return engine
+
+
+# Engine i > 0 of an in-process sampler samples with seed config.seed + i * LANE_SEED_STRIDE (engine 0
+# with config.seed itself, as a one-engine sampler does).
+LANE_SEED_STRIDE = 1_000_003
+
+
+def build_engines(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *,
+                  version: int = 0) -> list:
+    """`sampler.local_engines` engines for the in-process sampler, the slots
+    (`sampler.max_concurrent_decodes`) and prefix-cache entries split evenly between them, each
+    with its own random stream; the decode options are chosen once (on the first) for all."""
+    n = int(config.sampler.get("local_engines", 1))
+    first = build_engine(config, model_config, params, tok, version=version,
+                         slots=config.sampler.max_concurrent_decodes // n,
+                         cache_entries=config.sampler.prefix_cache_entries // n)
+    engines = [first]
+    for i in range(1, n):
+        from jaxrl_agent.sampling.engine import AgentEngine
+
+        engine = AgentEngine(
+            model_config, params, tok, stop_token_ids=first.stop_token_ids,
+            max_concurrent_decodes=first.max_concurrent_decodes, max_prefill_length=first.max_prefill_length,
+            max_cache_length=first.max_cache_length, steps_per_call=first.steps_per_call,
+            prefix_cache_entries=first.prefix_cache_entries, version=version,
+            seed=config.seed + i * LANE_SEED_STRIDE, decode_compiler_options=first.decode_choice.options)
+        engine.decode_choice = first.decode_choice
+        engines.append(engine)
+    return engines
+
+
+def build_local_sampler(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *,
+                        version: int = 0):
+    """The in-process sampler: a `LocalSampler` over `build_engines`' engines (one decode thread each)."""
+    from jaxrl_agent.sampling import LocalSampler
+
+    return LocalSampler(build_engines(config, model_config, params, tok, version=version))
 
 
 def decode_options_record(sampler) -> dict[str, str]:
@@ -586,9 +625,7 @@ def build_sampler(config, model_config: models.ModelConfig, params, tok: tokeniz
         return servers.client, servers
     if config.sampler.addresses:
         return build_remote_sampler(config, params), None
-    from jaxrl_agent.sampling import LocalSampler
-
-    return LocalSampler(build_engine(config, model_config, params, tok)), None
+    return build_local_sampler(config, model_config, params, tok), None
 
 
 def validate_config(config, *, reward_fn_given: bool = False) -> None:
@@ -628,6 +665,12 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     for name in ("eval.every", "checkpoint.every", "sft.eval_every", "sft.log_every"):
         section, field = name.split(".")
         need(config[section][field] >= 0, f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
+    lanes = config.sampler.get("local_engines", 1)
+    need(isinstance(lanes, int) and lanes >= 1 and config.sampler.max_concurrent_decodes % lanes == 0
+         and config.sampler.prefix_cache_entries % lanes == 0,
+         f"sampler.local_engines={lanes!r}: expected an integer >= 1 that divides sampler.max_concurrent_decodes="
+         f"{config.sampler.max_concurrent_decodes} and sampler.prefix_cache_entries="
+         f"{config.sampler.prefix_cache_entries} (each engine takes an equal share of both)")
     need(config.sampler.pipeline_depth >= 1, f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected "
          ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
     need(config.invariants.drift_every >= 0,
@@ -859,14 +902,12 @@ def build_subagent_sampler(config, model_config: models.ModelConfig, params, tok
     """The frozen sub-agents' in-process sampler of `rollout.delegate` (the learner never updates
     it): 'initial' samples from `params` (a copy of the weights RL starts from, which the caller
     keeps and checkpoints), a folder from that Hugging Face checkpoint; None without delegation."""
-    from jaxrl_agent.sampling import LocalSampler
-
     source = config.rollout.delegate
     if not source:
         return None
     if source != "initial":
         model_config, params = _load_frozen_hf(config, os.path.expanduser(source), tok, "rollout.delegate")
-    return LocalSampler(build_engine(config, model_config, params, tok))
+    return build_local_sampler(config, model_config, params, tok)
 
 
 def subagent_temperature(config, temperature: float) -> float:

@@ -144,11 +144,13 @@ def learner_memory(model: ModelConfig, *, rows: int, row_length: int, targets: i
 
 
 def sampler_memory(model: ModelConfig, *, slots: int, cache_length: int, prefix_cache_entries: int = 0,
-                   cache_dtype: str | None = None) -> MemoryPlan:
-    """The in-process engine's bytes on its device: a parameter copy, the key/value cache of every
-    slot (L x 2 x K x D x cache_length each) and the prefix cache's entries (one slot's cache each)."""
+                   cache_dtype: str | None = None, engines: int = 1) -> MemoryPlan:
+    """The in-process sampler's bytes on its device: a parameter copy per engine
+    (`sampler.local_engines`), the key/value cache of every slot (L x 2 x K x D x cache_length each)
+    and the prefix cache's entries (one slot's cache each); `slots` and `prefix_cache_entries` are
+    all engines' together."""
     embedding, layers = parameter_count(model)
     per_slot = model.num_layers * 2 * model.num_kv_heads * model.head_dim * cache_length * _bytes(
         cache_dtype or model.dtype)
-    return MemoryPlan(dict(parameters=(embedding + layers) * _bytes(model.param_dtype), kv_cache=slots * per_slot,
+    return MemoryPlan(dict(parameters=engines * (embedding + layers) * _bytes(model.param_dtype), kv_cache=slots * per_slot,
                            prefix_cache=prefix_cache_entries * per_slot))

@@ -69,6 +69,8 @@ def test_sampler_plan_is_the_cache_it_allocates():
     per_slot = 28 * 2 * 8 * 128 * 1024 * 2  # layers x (k, v) x kv heads x head_dim x positions x bfloat16
     assert plan["kv_cache"] == 128 * per_slot and plan["prefix_cache"] == 32 * per_slot
     assert per_slot / 2**20 == pytest.approx(112, abs=0.5)  # the config's "~117 MiB each" (in MB)
+    two = memory_plan.sampler_memory(model, slots=128, cache_length=1024, prefix_cache_entries=32, engines=2).parts
+    assert two["parameters"] == 2 * plan["parameters"] and two["kv_cache"] == plan["kv_cache"]  # a weight copy each
 
 
 @pytest.mark.slow  # ~40 s of compiling eight tiny learner steps; CI's slow pass runs it

@@ -261,16 +261,13 @@ class AgentEngine(engine_api.Engine):
         if prefix_cache_entries < 0:
             raise ValueError(f"prefix_cache_entries must be >= 0, got {prefix_cache_entries}")
         self.prefix_cache_entries = int(prefix_cache_entries)
-        self._prefill_fn = jax.jit(functools.partial(_prefill, config))
-        self._insert_fn = jax.jit(_insert, donate_argnums=(1,))
-        self._free_fn = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask), donate_argnums=(0,))
-        self._prefill_insert_fn = jax.jit(functools.partial(_prefill_insert_many, config, seed), donate_argnums=(1,))
-        self._extend_insert_fn = jax.jit(functools.partial(_extend_insert_many, config, seed), donate_argnums=(1,),
-                                         static_argnames=("window",))
-        self._save_fn = jax.jit(_save_prefixes, donate_argnums=(0,), static_argnames=("window",))
-        self._generate = functools.partial(_generate, config, steps_per_call,
-                                           jnp.asarray(self.stop_token_ids, jnp.int32))
-        self._decode_fns: dict[tuple, Callable] = {}  # one jitted decode loop per option set
+        # The jitted calls are shared by every engine of the same model and decode shape (module
+        # caches): a second engine (`LocalSampler` over several) compiles nothing new. Its seed
+        # enters as an argument (`_base_key`), not as a constant of the program.
+        self._base_key = jax.random.PRNGKey(seed)
+        self._prefill_fn, self._prefill_insert_fn, self._extend_insert_fn = _admission_fns(config)
+        self._insert_fn, self._free_fn, self._save_fn = _INSERT_FN, _FREE_FN, _SAVE_FN
+        self._generate_key = (config, steps_per_call, self.stop_token_ids)
         if decode_compiler_options is None:
             decode_compiler_options = tuple(DECODE_OPTION_SETS[name] for name in BUILTIN_DECODE_OPTIONS)
         elif isinstance(decode_compiler_options, dict):
@@ -280,11 +277,7 @@ class AgentEngine(engine_api.Engine):
 
     def _decode_fn(self, options: dict[str, Any]) -> Callable:
         """The jitted decode loop under XLA:CPU `options` (compiled once per option set and shape)."""
-        key = tuple(sorted(options.items()))
-        if key not in self._decode_fns:
-            self._decode_fns[key] = jax.jit(self._generate, donate_argnums=(2,), static_argnames=("rows", "window"),
-                                            compiler_options=cpu_compiler_options(options))
-        return self._decode_fns[key]
+        return _decode_fn(*self._generate_key, tuple(sorted(options.items())))
 
     def set_decode_compiler_options(self, large: dict[str, Any], small: dict[str, Any]) -> None:
         """The decode loop's XLA:CPU options above SMALL_DECODE_ROWS decoded rows (`large`) and at
@@ -410,7 +403,7 @@ class AgentEngine(engine_api.Engine):
         source = np.asarray(source + [0] * (rows - n), np.int32)  # padding rows read unique prompt 0
         return self._prefill_insert_fn(params, decode_state, unique_tokens, source,
                                        batch["true_lengths"], batch["counts"], batch["temperature"], batch["top_k"],
-                                       batch["top_p"], np.int32(version), batch["slots"])
+                                       batch["top_p"], np.int32(version), batch["slots"], self._base_key)
 
     def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, np.ndarray]:
         """Right-pads `token_rows` to [R, bucket] for a power-of-two R >= MIN_PREFILL_ROWS (each
@@ -469,7 +462,7 @@ class AgentEngine(engine_api.Engine):
             params, decode_state, np.asarray(list(entries) + [0] * pad, np.int32),
             np.asarray(list(starts) + [0] * pad, np.int32), batch["tokens"], batch["true_lengths"],
             batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"], np.int32(version),
-            batch["slots"], window=window)
+            batch["slots"], self._base_key, window=window)
 
     def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int], *,
                       length: int | None = None) -> DecodeState:
@@ -589,6 +582,22 @@ class AgentEngine(engine_api.Engine):
         return None
 
 
+@functools.cache
+def _admission_fns(config: models.ModelConfig) -> tuple[Callable, Callable, Callable]:
+    """The jitted (prefill, batched prefill + insert, extend + insert) of a model, one per config."""
+    return (jax.jit(functools.partial(_prefill, config)),
+            jax.jit(functools.partial(_prefill_insert_many, config), donate_argnums=(1,)),
+            jax.jit(functools.partial(_extend_insert_many, config), donate_argnums=(1,), static_argnames=("window",)))
+
+
+@functools.cache
+def _decode_fn(config: models.ModelConfig, steps: int, stop_ids: tuple[int, ...],
+               options: tuple[tuple[str, Any], ...]) -> Callable:
+    """The jitted decode loop (`_generate`) of a model and decode shape under XLA:CPU `options`."""
+    return jax.jit(functools.partial(_generate, config, steps, np.asarray(stop_ids, np.int32)), donate_argnums=(2,),
+                   static_argnames=("rows", "window"), compiler_options=cpu_compiler_options(dict(options)))
+
+
 # ------------------------------------------------------------------------------ jitted functions
 def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p, version) -> Prefix:
     cache = models.init_cache(config, 1, tokens.shape[1])
@@ -598,8 +607,8 @@ def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p
                   version=version, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def _prefill_insert_many(config, seed, params, state: DecodeState, unique_tokens, source, true_lengths, counts,
-                         temperature, top_k, top_p, version, slots) -> DecodeState:
+def _prefill_insert_many(config, params, state: DecodeState, unique_tokens, source, true_lengths, counts,
+                         temperature, top_k, top_p, version, slots, base_key) -> DecodeState:
     """unique_tokens [U, P] right-padded distinct prompts; row i of the batch is prompt source[i]
     (source, true_lengths, counts (per-row RNG stream) and slots are [N]; a slot >= B drops the
     row). Same sampling per row as `_prefill` with that row's key."""
@@ -607,12 +616,12 @@ def _prefill_insert_many(config, seed, params, state: DecodeState, unique_tokens
     cache = models.init_cache(config, unique_tokens.shape[0], p)
     last, cache = models.prefill(config, params, unique_tokens, cache, at=source * p + true_lengths - 1)  # [N, V]
     rows = models.KVCache(*(tuple(c[source] for c in caches) for caches in (cache.k, cache.v)))
-    return _sample_and_insert(seed, state, last, rows, true_lengths, counts, temperature, top_k, top_p, version,
+    return _sample_and_insert(base_key, state, last, rows, true_lengths, counts, temperature, top_k, top_p, version,
                               slots)
 
 
-def _extend_insert_many(config, seed, params, state: DecodeState, entries, starts, tokens, true_lengths, counts,
-                        temperature, top_k, top_p, version, slots, window: int) -> DecodeState:
+def _extend_insert_many(config, params, state: DecodeState, entries, starts, tokens, true_lengths, counts,
+                        temperature, top_k, top_p, version, slots, base_key, window: int) -> DecodeState:
     """Rows start from prefix-cache entries [N] holding `starts` [N] positions; tokens [N, T] (the
     right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them.
     Only the entries' first `window` positions (static; starts + true_lengths <= window) are
@@ -624,7 +633,7 @@ def _extend_insert_many(config, seed, params, state: DecodeState, entries, start
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     last, cache = models.extend(config, params, tokens, positions, rows,
                                 at=jnp.arange(tokens.shape[0]) * t + true_lengths - 1)  # [N, V]
-    return _sample_and_insert(seed, state, last, cache, starts + true_lengths, counts, temperature, top_k, top_p,
+    return _sample_and_insert(base_key, state, last, cache, starts + true_lengths, counts, temperature, top_k, top_p,
                               version, slots)
 
 
@@ -638,13 +647,12 @@ def _save_prefixes(state: DecodeState, slots, entries, window: int) -> DecodeSta
     return state.replace(pool=models.KVCache(keys, values))
 
 
-def _sample_and_insert(seed, state: DecodeState, last, cache, positions, counts, temperature, top_k, top_p, version,
+def _sample_and_insert(base, state: DecodeState, last, cache, positions, counts, temperature, top_k, top_p, version,
                        slots) -> DecodeState:
     """Samples each row's first token from `last` [N, V] (the logits at its prompt's last token) and
     puts the row's cache (length P <= S, copied into the slot's first P positions) and sampling
     state into `slots`; `positions` [N] is where that first token will sit."""
     n = last.shape[0]
-    base = jax.random.PRNGKey(seed)
     keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
     # One batched call (its filter / greedy branches decided once for all rows), per-row keys.
     token, logprob = decoding.sample_tokens(last, keys, temperature, top_k, top_p)
@@ -678,6 +686,11 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
         top_k=at(state.top_k, prefix.top_k),
         top_p=at(state.top_p, prefix.top_p),
     )
+
+
+_INSERT_FN = jax.jit(_insert, donate_argnums=(1,))
+_FREE_FN = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask), donate_argnums=(0,))
+_SAVE_FN = jax.jit(_save_prefixes, donate_argnums=(0,), static_argnames=("window",))
 
 
 def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, version, rows: int, window: int):

@@ -111,6 +111,10 @@ def _by_bucket(engine: AgentEngine, items: list, length) -> list[list]:
     return calls + ([too_long] if too_long else [])
 
 
+# First-turn prompts a several-engine LocalSampler remembers the engine of (the newest ones).
+RECENT_PROMPTS = 1024
+
+
 @dataclasses.dataclass
 class _Request:
     prompt: np.ndarray
@@ -121,40 +125,69 @@ class _Request:
 
 
 class LocalSampler:
-    """Continuous batching over an AgentEngine in a background thread.
+    """Continuous batching over one or several AgentEngines, each driven by a thread of its own.
+
+    `LocalSampler(engine)` runs one decode loop; `LocalSampler([e0, e1, ...])` runs one per engine
+    (each with its own slots, decode state and prefix cache) and routes each request to the engine
+    whose prefix cache holds the most of its prompt (an episode's next turn goes where its history
+    is), else to the least loaded. On a CPU host the decode loops then run on different cores: the
+    engines' XLA calls release the GIL, and a step of a small model at these row counts uses one
+    core however XLA threads it (benchmarks/RESULTS.md, "Two decode lanes"). `build.build_sampler`
+    makes `sampler.local_engines` engines, splitting the slots and cache entries between them.
 
     With `engine.prefix_cache_entries > 0`, a prompt that continues a finished request (the next
     turn of an episode) prefills only its new tokens (see `sampling.prefix_cache`).
     """
 
-    def __init__(self, engine: AgentEngine):
-        self.engine = engine
-        self._pending: collections.deque[_Request] = collections.deque()
-        self._wake = threading.Condition()
-        self._stopped = False
-        self.prefix_index = PrefixIndex(engine.prefix_cache_entries)
-        # idle_seconds: time the decode loop had no request at all (the sampler's idle time);
-        # prefill_tokens: prompt tokens run through the model; reused_tokens: not run for this
-        # request (taken from the prefix cache, or an identical prompt prefilled in the same batch);
-        # decode_seconds / admit_seconds: wall time in `generate` calls / in prefilling admitted
-        # requests; live_slots / decoded_slots: summed over generate calls, the requests decoding
-        # and the slots the call ran (compact calls run fewer than max_concurrent_decodes);
-        # cancelled: requests cancelled while queued, dropped without running.
-        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0,
-                      "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "decode_seconds": 0.0,
-                      "admit_seconds": 0.0, "live_slots": 0, "decoded_slots": 0, "cancelled": 0}
-        self._thread = threading.Thread(target=self._loop, name="local-sampler", daemon=True)
-        self._thread.start()
+    def __init__(self, engine: AgentEngine | Sequence[AgentEngine]):
+        engines = [engine] if isinstance(engine, AgentEngine) else list(engine)
+        if not engines:
+            raise ValueError("LocalSampler needs at least one engine")
+        self.engines = engines
+        self.engine = engines[0]
+        self._lanes = [_Lane(e, f"local-sampler-{i}" if len(engines) > 1 else "local-sampler")
+                       for i, e in enumerate(engines)]
+        self._route_lock = threading.Lock()
+        self._recent: collections.OrderedDict[bytes, _Lane] = collections.OrderedDict()  # prompt -> its lane
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The lanes' counters, summed (seconds are per lane: with two engines busy for one second
+        each, decode_seconds grows by two); see `_Lane.stats`."""
+        total: dict[str, float] = {}
+        for lane in self._lanes:
+            for key, value in lane.stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def _lane_for(self, prompt: np.ndarray) -> "_Lane":
+        lanes = self._lanes
+        if len(lanes) == 1:
+            return lanes[0]
+        best, best_reused = None, 0
+        for lane in lanes:
+            reused = lane.prefix_index.peek(prompt, lane.engine.version) if lane.engine.prefix_cache_entries else 0
+            if reused > best_reused:
+                best, best_reused = lane, reused
+        if best is not None:
+            return best
+        # A prompt sent again (a group's episodes start from the same task) joins the lane that
+        # has it: one batched prefill runs an identical prompt once.
+        key = prompt.tobytes()
+        with self._route_lock:
+            lane = self._recent.get(key)
+            if lane is None:
+                lane = min(lanes, key=_Lane.load)
+                self._recent[key] = lane
+                if len(self._recent) > RECENT_PROMPTS:
+                    self._recent.popitem(last=False)
+            return lane
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> concurrent.futures.Future:
         prompt = check_prompt(self.engine, prompt_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
         request = _Request(prompt, sampling, future, CompletionBuilder(sampling.max_tokens, self.engine.stop_token_ids))
-        with self._wake:
-            if self._stopped:
-                raise RuntimeError("the sampler is closed")
-            self._pending.append(request)
-            self._wake.notify()
+        self._lane_for(prompt).push(request)
         return future
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> Completion:
@@ -166,17 +199,22 @@ class LocalSampler:
         return [f.result() for f in futures]
 
     def update_weights(self, params, version: int) -> None:
-        self.engine.update_weights(params, version)
+        for engine in self.engines:
+            engine.update_weights(params, version)
 
     def sampler_stats(self) -> dict[str, float]:
         """A copy of `stats` (the same call on `BackgroundSamplerClient` sums the servers')."""
         return dict(self.stats)
 
+    def is_alive(self) -> bool:
+        """Whether every engine's decode thread is running (a request's failure never stops one)."""
+        return all(lane.is_alive() for lane in self._lanes)
+
     def close(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
+        for lane in self._lanes:
+            lane.stop()
+        for lane in self._lanes:
+            lane.join()
 
     def __enter__(self):
         return self
@@ -184,10 +222,57 @@ class LocalSampler:
     def __exit__(self, *exc):
         self.close()
 
+
+class _Lane:
+    """One engine's decode loop, in a thread of its own: admit waiting requests into free slots
+    (prefill + insert), run `generate`, hand finished completions back."""
+
+    def __init__(self, engine: AgentEngine, name: str):
+        self.engine = engine
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.slots: dict[int, _Request] = {}
+        self.prefix_index = PrefixIndex(engine.prefix_cache_entries)
+        # idle_seconds: time the decode loop had no request at all (the sampler's idle time);
+        # prefill_tokens: prompt tokens run through the model; reused_tokens: not run for this
+        # request (taken from the prefix cache, or an identical prompt prefilled in the same batch);
+        # decode_seconds / admit_seconds: wall time in `generate` calls / in prefilling admitted
+        # requests; live_slots / decoded_slots: summed over generate calls, the requests decoding
+        # and the slots the call ran (compact calls run fewer than max_concurrent_decodes);
+        # cancelled: requests cancelled while queued, dropped without running.
+        self.stats = {"generate_calls": 0, "tokens": 0, "requests": 0, "idle_seconds": 0.0,
+                      "prefill_tokens": 0, "reused_tokens": 0, "prefix_hits": 0, "decode_seconds": 0.0,
+                      "admit_seconds": 0.0, "live_slots": 0, "decoded_slots": 0, "cancelled": 0}
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def load(self) -> int:
+        """Requests decoding or waiting here (read without the lock: a routing hint)."""
+        return len(self.slots) + len(self._pending)
+
+    def push(self, request: _Request) -> None:
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the sampler is closed")
+            self._pending.append(request)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+
+    def join(self) -> None:
+        self._thread.join(timeout=30)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         engine = self.engine
         state = engine.init_decode_state()
-        slots: dict[int, _Request] = {}
+        slots = self.slots
         # A heap: the lowest free slot is taken first, so live requests stay packed at the front and
         # `generate` decodes only as many slots as the highest live one needs.
         free = list(range(engine.max_concurrent_decodes))
@@ -237,7 +322,7 @@ class LocalSampler:
                     heapq.heappush(free, slot)
                 slots.clear()
                 state = engine.init_decode_state()
-                self.prefix_index = PrefixIndex(engine.prefix_cache_entries)  # the new state's pool is empty
+                self.prefix_index.clear()  # the new state's pool is empty
                 continue
             self.stats["generate_calls"] += 1
             finished = []

@@ -14,11 +14,16 @@ the sampler draw from a mixture of policies while labelling the tokens with the 
 index is cleared whenever it is used with a newer version. Eviction takes entries that were just
 continued first (their continuation will store a longer sequence that contains them), then the
 least recently stored.
+
+Its methods are thread-safe: a `LocalSampler` with several engines asks each engine's index, from
+the submitting thread, which one holds a prompt's prefix (`peek`) while that engine's thread looks
+up and stores entries.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -31,6 +36,7 @@ class PrefixIndex:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self._lock = threading.RLock()
         self.version: int | None = None
         self._entries: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> entry, evicted first
         self._keys: dict[int, bytes] = {}  # entry -> key
@@ -42,9 +48,10 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Forgets every entry (e.g. when the engine's cache contents are lost)."""
-        self._entries.clear()
-        self._keys.clear()
-        self._lengths.clear()
+        with self._lock:
+            self._entries.clear()
+            self._keys.clear()
+            self._lengths.clear()
 
     def _sync_version(self, version: int) -> None:
         if version != self.version:
@@ -61,8 +68,12 @@ class PrefixIndex:
         `start` positions of the entry are reused; at least the prompt's last token is left to run
         (its logits sample the next token), so start <= len(prompt) - 1.
         """
-        self._sync_version(version)
         prompt = np.asarray(prompt, np.int32).reshape(-1)
+        with self._lock:
+            return self._lookup(prompt, version)
+
+    def _lookup(self, prompt: np.ndarray, version: int) -> tuple[int, int] | None:
+        self._sync_version(version)
         for length in sorted(self._lengths, reverse=True):
             if length > prompt.size:
                 continue
@@ -78,13 +89,30 @@ class PrefixIndex:
         self.stats["misses"] += 1
         return None
 
+    def peek(self, prompt: Sequence[int] | np.ndarray, version: int) -> int:
+        """How many of `prompt`'s tokens `lookup` would reuse now (0: none), changing nothing: no
+        statistics, no eviction order, and an index of another version counts as empty."""
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        with self._lock:
+            if version != self.version:
+                return 0
+            for length in sorted(self._lengths, reverse=True):
+                if length <= prompt.size and self._key(prompt[:length]) in self._entries:
+                    start = min(length, prompt.size - 1)
+                    return start if start >= 1 else 0
+            return 0
+
     def store(self, tokens: Sequence[int] | np.ndarray, version: int) -> int | None:
         """Reserves the entry that will hold `tokens` (computed at `version`); None when the index
         has no capacity or `version` is not the newest. The caller copies the keys and values in."""
+        key = self._key(np.asarray(tokens, np.int32).reshape(-1))
+        with self._lock:
+            return self._store(key, version)
+
+    def _store(self, key: bytes, version: int) -> int | None:
         if self.capacity == 0 or (self.version is not None and version < self.version):
             return None
         self._sync_version(version)
-        key = self._key(np.asarray(tokens, np.int32).reshape(-1))
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]

@@ -135,7 +135,7 @@ def test_a_cancelled_request_never_stops_the_sampler():
         completion = asyncio.run(scenario(sampler))
         assert list(completion.token_ids) == _greedy_reference(prompt, 5)[0]
         assert sampler.stats["cancelled"] == 1 and sampler.stats["requests"] == 2  # the decoding one ran out
-        assert sampler._thread.is_alive()
+        assert sampler.is_alive()
 
 
 def test_weight_update_takes_effect_and_versions_are_recorded():
