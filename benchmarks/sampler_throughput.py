@@ -158,14 +158,18 @@ def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=
     return statistics.median(prefill) * 1e3, statistics.median(generate) * 1e3
 
 
-def compare_with_tunix(config, params, python, steps, new_tokens, repeats, rounds):
-    """Batch 8, greedy: `rounds` alternating rounds of `repeats` batches through our 8-slot engine,
-    then `repeats` through tunix's Sampler (a subprocess, idle while ours runs and vice versa)."""
+def compare_with_tunix(config, params, python, steps, new_tokens, repeats, rounds, lanes: int = 1):
+    """Batch 8, greedy: `rounds` alternating rounds of `repeats` batches through our 8 slots (one
+    engine, or `lanes` engines of 8 / lanes slots each decoding in threads of their own, as
+    `sampler.local_engines` makes them), then `repeats` through tunix's Sampler (a subprocess, idle
+    while ours runs and vice versa)."""
     tunix = ServedBaseline(python, os.path.join(ROOT, "benchmarks", "tunix_sampler_baseline.py"),
                            ["--batch", "8", "--new_tokens", str(new_tokens)], "tunix_tokens_per_s=")
     ours_all, tunix_all, ratios = [], [], []
     try:
-        with LocalSampler(_engine(config, params, 8, steps, new_tokens)) as eight:
+        if 8 % lanes:
+            raise SystemExit(f"--lanes={lanes}: expected a divisor of the 8 slots")
+        with LocalSampler([_engine(config, params, 8 // lanes, steps, new_tokens) for _ in range(lanes)]) as eight:
             for _ in range(rounds):
                 ours = [bench_local(eight, 8, new_tokens) for _ in range(repeats)]
                 theirs = tunix.request(repeats)
@@ -176,7 +180,7 @@ def compare_with_tunix(config, params, python, steps, new_tokens, repeats, round
         tunix.close()
     ours, theirs = statistics.median(ours_all), statistics.median(tunix_all)
     print(f"\n| batch 8, {new_tokens} new tokens ({rounds} alternating rounds of {repeats}) | tokens/s |\n|---|---|\n"
-          f"| tunix Sampler | {theirs:,.0f} |\n| our engine (8 slots, in-process) | {ours:,.0f} |\n"
+          f"| tunix Sampler | {theirs:,.0f} |\n| our engine (8 slots, in-process, {lanes} engine(s)) | {ours:,.0f} |\n"
           f"| ratio ours / tunix | {ours / theirs:.2f} |\n")
     print("per-round ratios: " + ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})\n")
 
@@ -212,6 +216,8 @@ def compare_decode_options(config, params, slots: int, steps: int, new_tokens: i
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="With --tunix_python: our 8 slots split between this many engines, one thread each.")
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps_per_call", type=int, default=4)
@@ -275,7 +281,7 @@ def main():
     if args.tunix_python:
         # Same shape, batch 8, greedy: tunix's vanilla sampler vs our engine with 8 slots.
         compare_with_tunix(config, params, args.tunix_python, args.steps_per_call, args.new_tokens, args.repeats,
-                           args.rounds)
+                           args.rounds, args.lanes)
     print("| concurrency | naive full forward | in-process engine | gRPC server | engine / naive | server / engine |")
     print("|---|---|---|---|---|---|")
     for c, naive, local, remote in rows:

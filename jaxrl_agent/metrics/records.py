@@ -78,7 +78,8 @@ def iteration_record(*, groups: Sequence[Sequence[Any]], trained: Sequence[Any],
         "sampler_prefill_tokens": sampler.get("prefill_tokens", 0),
         "sampler_reused_tokens": sampler.get("reused_tokens", 0),
         # Where the sampler's time went and how full its decode calls were: live requests and
-        # slots run, per generate call (remote servers' counters summed over the servers).
+        # slots run, per generate call (remote servers' counters summed over the servers, the
+        # in-process sampler's over its engines: seconds are engine-seconds).
         "sampler_decode_seconds": sampler.get("decode_seconds", 0.0),
         "sampler_admit_seconds": sampler.get("admit_seconds", 0.0),
         "sampler_generate_calls": sampler.get("generate_calls", 0),
