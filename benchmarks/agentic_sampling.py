@@ -4,6 +4,7 @@ re-prefills the growing history every turn; one invocation, alternating rounds.
   python benchmarks/agentic_sampling.py --tunix_python /tmp/tunix_venv/bin/python [--batches 8,32]
       [--rounds 5] [--episodes 2] [--steps_per_call 4]
   python benchmarks/agentic_sampling.py --breakdown [--batches 8,32] [--episodes 8]   # where ours spends its time
+  ... --lanes 2   # ours with its slots split between two engines, one decode thread each
 
 Episodes (benchmarks/agentic_plan.py): 4 assistant turns of 16-64 tokens, tool results of 10-40
 tokens between them, each turn's prompt the whole history so far; greedy, no early stop. Model: the
@@ -47,13 +48,20 @@ from jaxrl_agent import models, tokenizer as tok  # noqa: E402
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams, host_tuning  # noqa: E402
 
 
-def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool) -> LocalSampler:
-    engine = AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=batch,
-                         max_prefill_length=agentic_plan.CACHE_LENGTH, max_cache_length=agentic_plan.CACHE_LENGTH,
-                         steps_per_call=steps, stop_token_ids=[-1],
-                         prefix_cache_entries=2 * batch if prefix_cache else 0)
-    host_tuning.tune_engine(engine, "auto", cache_path=launcher_runs.host_choices_path())
-    return LocalSampler(engine)
+def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool, lanes: int = 1) -> LocalSampler:
+    """`batch` slots (and 2 x batch prefix-cache entries) in one engine, or split between `lanes`
+    engines decoding in threads of their own (as `sampler.local_engines` splits them)."""
+    if batch % lanes:
+        raise SystemExit(f"--lanes={lanes}: expected a divisor of every batch size, got batch {batch}")
+    engines = []
+    for i in range(lanes):
+        engine = AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=batch // lanes,
+                             max_prefill_length=agentic_plan.CACHE_LENGTH, max_cache_length=agentic_plan.CACHE_LENGTH,
+                             steps_per_call=steps, stop_token_ids=[-1], seed=i,
+                             prefix_cache_entries=2 * batch // lanes if prefix_cache else 0)
+        host_tuning.tune_engine(engine, "auto", cache_path=launcher_runs.host_choices_path())
+        engines.append(engine)
+    return LocalSampler(engines)
 
 
 def play(sampler: LocalSampler, batch: int, ids_seed: int) -> tuple[int, float]:
@@ -119,6 +127,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=2, help="Episode batches per arm per round.")
     parser.add_argument("--steps_per_call", type=int, default=4)
     parser.add_argument("--breakdown", action="store_true", help="Time each engine call of ours instead (no tunix).")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="Our arms' slots split between this many engines, each decoding in a thread of its own.")
     args = parser.parse_args()
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))
@@ -132,8 +142,9 @@ def main() -> None:
     seeds = iter(range(1, 10**9))  # every episode batch has new token ids
     try:
         for b in batches:
-            samplers[b] = {"ours": our_sampler(config, params, b, args.steps_per_call, True),
-                           "ours, no prefix cache": our_sampler(config, params, b, args.steps_per_call, False)}
+            samplers[b] = {"ours": our_sampler(config, params, b, args.steps_per_call, True, args.lanes),
+                           "ours, no prefix cache": our_sampler(config, params, b, args.steps_per_call, False,
+                                                                args.lanes)}
             for sampler in samplers[b].values():  # compile every shape the plans meet (a first
                 play(sampler, b, next(seeds))     # episode batch fills the prefix cache, a second
                 play(sampler, b, next(seeds))     # meets it)
@@ -162,7 +173,8 @@ def main() -> None:
             baseline.close()
 
     print(f"\n{agentic_plan.TURNS}-turn episodes (replies 16-64 tokens, tool results 10-40), greedy, "
-          f"{args.rounds} alternating rounds of {args.episodes} episode batches per arm\n")
+          f"{args.rounds} alternating rounds of {args.episodes} episode batches per arm; ours on {args.lanes} "
+          "engine(s)\n")
     print("| batch | arm | generated tokens/s | s per episode batch | vs tunix |\n|---|---|---|---|---|")
     for b in batches:
         tunix_rate = (statistics.median(t / s for t, s in results[(b, "tunix")]) if args.tunix_python else None)
