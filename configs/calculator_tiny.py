@@ -91,9 +91,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
     # In-process sampler: engines, each decoding in a thread of its own, the slots and prefix-cache
-    # entries split evenly between them (an episode's turns stay on one). On CPU each decode loop
-    # runs on one core, so 2 uses both of a 2-core host; 1 = one engine with every slot.
-    config.sampler.local_engines = 2
+    # entries split evenly between them (an episode's turns stay on one). On CPU a decode loop runs
+    # on one core, so 2 uses both of a 2-core host; 1 = one engine with every slot; 0 = auto: 2 on
+    # a CPU host with 2 or more usable cores (and an even split), else 1.
+    config.sampler.local_engines = 0
     # The decode loop's XLA:CPU options (speed only, never tokens): 'auto' = measured on this host
     # the first time (seconds) and cached beside the compilation cache; 'builtin' = the project's
     # choice, unmeasured; 'xla_defaults' / 'fast_minmax' / 'small_batch', or 'LARGE,SMALL' of them

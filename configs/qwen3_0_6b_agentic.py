@@ -50,7 +50,7 @@ def get_config():
     config.sampler.max_cache_length = 1024  # Tokens per slot.
     config.sampler.steps_per_call = 8  # Decode steps per generate call.
     config.sampler.prefix_cache_entries = 32  # ~112 MiB each in bfloat16 at this cache length.
-    config.sampler.local_engines = 1  # One engine on the accelerator (two would hold two weight copies).
+    config.sampler.local_engines = 1  # One engine (auto picks 1 off CPU too; two would hold two weight copies).
     config.rollout.include_system_prompt = True  # The environment's instructions (how to answer).
     config.rollout.max_tokens_per_turn = 256  # Longest assistant turn.
     config.rollout.max_context = 1024  # Longest episode (<= learner.row_length).

@@ -191,12 +191,27 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
 LANE_SEED_STRIDE = 1_000_003
 
 
+def local_engine_count(config) -> int:
+    """`sampler.local_engines`, with 0 (auto) resolved on this host: 2 where JAX runs on the CPU
+    with at least 2 usable cores and the slots and cache entries split evenly, else 1 (one
+    accelerator gains nothing from a second engine, which holds a weight copy of its own)."""
+    n = int(config.sampler.get("local_engines", 1))
+    if n:
+        return n
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    even = config.sampler.max_concurrent_decodes % 2 == 0 and config.sampler.prefix_cache_entries % 2 == 0
+    return 2 if jax.default_backend() == "cpu" and cores >= 2 and even else 1
+
+
 def build_engines(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *,
                   version: int = 0) -> list:
     """`sampler.local_engines` engines for the in-process sampler, the slots
     (`sampler.max_concurrent_decodes`) and prefix-cache entries split evenly between them, each
     with its own random stream; the decode options are chosen once (on the first) for all."""
-    n = int(config.sampler.get("local_engines", 1))
+    n = local_engine_count(config)
     first = build_engine(config, model_config, params, tok, version=version,
                          slots=config.sampler.max_concurrent_decodes // n,
                          cache_entries=config.sampler.prefix_cache_entries // n)
@@ -224,10 +239,12 @@ def build_local_sampler(config, model_config: models.ModelConfig, params, tok: t
 
 
 def decode_options_record(sampler) -> dict[str, str]:
-    """The in-process engine's decode options for the run's start record ({} for sampler servers,
-    which print their own)."""
+    """The in-process sampler's engine count and decode options for the run's start record ({} for
+    sampler servers, which print their own)."""
     choice = getattr(getattr(sampler, "engine", None), "decode_choice", None)
-    return {} if choice is None else {"decode_options": choice.describe()}
+    if choice is None:
+        return {}
+    return {"sampler_engines": str(len(getattr(sampler, "engines", [sampler.engine]))), "decode_options": choice.describe()}
 
 
 def smoke_forward(config) -> dict:
@@ -666,11 +683,11 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
         section, field = name.split(".")
         need(config[section][field] >= 0, f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
     lanes = config.sampler.get("local_engines", 1)
-    need(isinstance(lanes, int) and lanes >= 1 and config.sampler.max_concurrent_decodes % lanes == 0
-         and config.sampler.prefix_cache_entries % lanes == 0,
-         f"sampler.local_engines={lanes!r}: expected an integer >= 1 that divides sampler.max_concurrent_decodes="
-         f"{config.sampler.max_concurrent_decodes} and sampler.prefix_cache_entries="
-         f"{config.sampler.prefix_cache_entries} (each engine takes an equal share of both)")
+    need(isinstance(lanes, int) and (lanes == 0 or (lanes >= 1 and config.sampler.max_concurrent_decodes % lanes == 0
+                                                     and config.sampler.prefix_cache_entries % lanes == 0)),
+         f"sampler.local_engines={lanes!r}: expected 0 (auto) or an integer >= 1 that divides "
+         f"sampler.max_concurrent_decodes={config.sampler.max_concurrent_decodes} and "
+         f"sampler.prefix_cache_entries={config.sampler.prefix_cache_entries} (each engine takes an equal share of both)")
     need(config.sampler.pipeline_depth >= 1, f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected "
          ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
     need(config.invariants.drift_every >= 0,

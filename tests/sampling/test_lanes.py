@@ -113,7 +113,20 @@ def test_build_splits_slots_and_cache_entries_between_engines_with_their_own_str
     assert engines[1]._decode_fn({}) is engines[0]._decode_fn({})
 
 
-@pytest.mark.parametrize("sampler", [dict(local_engines=3), dict(local_engines=0),
+def test_auto_picks_two_engines_on_a_cpu_host_with_two_cores_and_an_even_split(monkeypatch):
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert build.local_engine_count(_tiny_config(local_engines=0)) == 2
+    assert build.local_engine_count(_tiny_config(local_engines=0, max_concurrent_decodes=5)) == 1
+    assert build.local_engine_count(_tiny_config(local_engines=3, max_concurrent_decodes=6)) == 3  # as asked
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0})
+    assert build.local_engine_count(_tiny_config(local_engines=0)) == 1
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+    assert build.local_engine_count(_tiny_config(local_engines=0)) == 1
+    build.validate_config(_tiny_config(local_engines=0, max_concurrent_decodes=5))  # auto never refuses
+
+
+@pytest.mark.parametrize("sampler", [dict(local_engines=3), dict(local_engines=-1),
                                      dict(local_engines=2, prefix_cache_entries=5)])
 def test_local_engines_that_do_not_divide_the_slots_are_refused(sampler):
     with pytest.raises(build.ConfigError, match="sampler.local_engines"):
