@@ -165,10 +165,12 @@ def stop_token_ids(config, tok: tokenizer_lib.Tokenizer) -> tuple[int, ...]:
 
 
 def build_engine(config, model_config: models.ModelConfig, params, tok: tokenizer_lib.Tokenizer, *, version: int = 0,
-                 slots: int | None = None, cache_entries: int | None = None, seed: int | None = None):
+                 slots: int | None = None, cache_entries: int | None = None, seed: int | None = None,
+                 decode_choice=None):
     """The JetStream engine for the sampler section of the config, with the decode options chosen
     for this host (`sampler.decode_options`; `engine.decode_choice` says which and how). `slots`,
-    `cache_entries` and `seed` replace the config's (`build_engines` splits them between engines)."""
+    `cache_entries` and `seed` replace the config's (`build_engines` splits them between engines);
+    `decode_choice`, one already made (`host_tuning.DecodeChoice`), is applied instead of choosing."""
     from jaxrl_agent.sampling import host_tuning
     from jaxrl_agent.sampling.engine import AgentEngine
 
@@ -181,6 +183,10 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
         prefix_cache_entries=config.sampler.prefix_cache_entries if cache_entries is None else cache_entries,
         version=version, seed=config.seed if seed is None else seed,
     )
+    if decode_choice is not None:
+        engine.set_decode_compiler_options(*decode_choice.options)
+        engine.decode_choice = decode_choice
+        return engine
     host_tuning.tune_engine(engine, config.sampler.decode_options,
                             cache_path=host_tuning.host_choices_path(config.get("compilation_cache_dir", "")))
     return engine
@@ -212,21 +218,13 @@ def build_engines(config, model_config: models.ModelConfig, params, tok: tokeniz
     (`sampler.max_concurrent_decodes`) and prefix-cache entries split evenly between them, each
     with its own random stream; the decode options are chosen once (on the first) for all."""
     n = local_engine_count(config)
-    first = build_engine(config, model_config, params, tok, version=version,
-                         slots=config.sampler.max_concurrent_decodes // n,
-                         cache_entries=config.sampler.prefix_cache_entries // n)
-    engines = [first]
-    for i in range(1, n):
-        from jaxrl_agent.sampling.engine import AgentEngine
-
-        engine = AgentEngine(
-            model_config, params, tok, stop_token_ids=first.stop_token_ids,
-            max_concurrent_decodes=first.max_concurrent_decodes, max_prefill_length=first.max_prefill_length,
-            max_cache_length=first.max_cache_length, steps_per_call=first.steps_per_call,
-            prefix_cache_entries=first.prefix_cache_entries, version=version,
-            seed=config.seed + i * LANE_SEED_STRIDE, decode_compiler_options=first.decode_choice.options)
-        engine.decode_choice = first.decode_choice
-        engines.append(engine)
+    engines = []
+    for i in range(n):
+        engines.append(build_engine(config, model_config, params, tok, version=version,
+                                    slots=config.sampler.max_concurrent_decodes // n,
+                                    cache_entries=config.sampler.prefix_cache_entries // n,
+                                    seed=config.seed + i * LANE_SEED_STRIDE,
+                                    decode_choice=engines[0].decode_choice if engines else None))
     return engines
 
 
@@ -244,7 +242,7 @@ def decode_options_record(sampler) -> dict[str, str]:
     choice = getattr(getattr(sampler, "engine", None), "decode_choice", None)
     if choice is None:
         return {}
-    return {"sampler_engines": str(len(getattr(sampler, "engines", [sampler.engine]))), "decode_options": choice.describe()}
+    return {"sampler_engines": str(len(getattr(sampler, "engines", (sampler.engine,)))), "decode_options": choice.describe()}
 
 
 def smoke_forward(config) -> dict:
