@@ -539,16 +539,19 @@ class AgentEngine(engine_api.Engine):
         return self._free_fn(decode_state, mask)
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """An empty decode state, placed as the engine's programs return theirs (replicated on the
+        engine's mesh): a program called first with a fresh state and then with its own output sees
+        the same input shardings both times and compiles once, not twice (~1.3 s a program here)."""
         b = self._slots
         zeros_i = lambda: jnp.zeros((b,), jnp.int32)  # distinct buffers: the state is donated
-        return DecodeState(
+        return jax.device_put(DecodeState(
             cache=models.init_cache(self.config, b, self.max_cache_length),
             next_token=zeros_i(), next_logprob=jnp.zeros((b,), jnp.float32), next_version=zeros_i(),
             position=zeros_i(), generated=zeros_i(), active=jnp.zeros((b,), bool),
             temperature=jnp.ones((b,), jnp.float32), top_k=zeros_i(), top_p=jnp.ones((b,), jnp.float32),
             rng=jax.random.PRNGKey(self._seed + 1),
             pool=models.init_cache(self.config, self.prefix_cache_entries, self.max_cache_length),
-        )
+        ), jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
 
     def get_prefix_destination_sharding(self) -> Any:
         return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())

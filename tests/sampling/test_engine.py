@@ -351,6 +351,23 @@ def test_batched_prefill_insert_equals_one_by_one():
     assert not bool(batched.active[1])  # untouched slot (and the dropped padding row) stay free
 
 
+def test_a_fresh_decode_state_and_a_returned_one_share_one_compiled_program():
+    # A fresh state placed differently from the programs' outputs compiled every program twice:
+    # once for its first call, again for the state it had returned (the host tuning paid ~1.3 s a
+    # program for it).
+    engine = _engine(steps_per_call=5)
+    prompt = np.asarray(TOKENIZER.encode("Q: 1+2=?"), np.int32)
+    programs = lambda: (engine._generate_small_fn._cache_size(), engine._prefill_insert_fn._cache_size())
+    state = engine.prefill_insert_many([prompt], [SamplingParams(temperature=0.0)], engine.init_decode_state(), [0])
+    state, _ = engine.generate(None, state)
+    fresh, _ = engine.generate(None, engine.init_decode_state())  # a fresh state straight into decoding
+    before = programs()
+    state = engine.prefill_insert_many([prompt], [SamplingParams(temperature=0.0)], state, [1])
+    state, _ = engine.generate(None, state)
+    fresh, _ = engine.generate(None, fresh)
+    assert programs() == before
+
+
 def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams():
     """A group's G episodes share their first prompt: one forward pass serves all G rows, and each
     row equals a one-by-one prefill + insert (own RNG stream, same keys/values)."""
