@@ -395,6 +395,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.every = 20  # Evaluate every N RL iterations (and after SFT, and at the end; 0 = only those).
     config.eval.tasks_per_difficulty = 64  # Held-out tasks per difficulty, greedy pass@1.
     config.eval.pass_k = 0  # Also k samples per task at rollout.temperature for pass@k (0 = greedy only).
+    # Evaluate the policy before training: 'true', 'false', or 'auto' = unless SFT comes first and the
+    # weights are random (no checkpoint.hf_path / init_from): the evaluation after SFT is the baseline.
+    config.eval.initial = "auto"
 
     config.invariants = ml_collections.ConfigDict()
     # The three invariants' alarms (jaxrl_agent/invariants): each fires after `fire_after` RL

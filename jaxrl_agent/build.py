@@ -12,7 +12,7 @@ import zlib
 import jax
 import numpy as np
 
-from jaxrl_agent import models, sharding, tokenizer as tokenizer_lib
+from jaxrl_agent import models, run_schedule, sharding, tokenizer as tokenizer_lib
 
 
 def tokenizer_path(config) -> str:
@@ -680,6 +680,10 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     for name in ("eval.every", "checkpoint.every", "sft.eval_every", "sft.log_every"):
         section, field = name.split(".")
         need(config[section][field] >= 0, f"{name}={config[section][field]}: expected >= 0 (0 = only at the end)")
+    try:
+        run_schedule.initial_eval_setting(config.eval.get("initial", "auto"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     lanes = config.sampler.get("local_engines", 1)
     need(isinstance(lanes, int) and (lanes == 0 or (lanes >= 1 and config.sampler.max_concurrent_decodes % lanes == 0
                                                      and config.sampler.prefix_cache_entries % lanes == 0)),

@@ -14,6 +14,32 @@ def every(period: int, iteration: int) -> bool:
     return period > 0 and iteration % period == 0
 
 
+INITIAL_EVAL_CHOICES = ("auto", "true", "false")
+
+
+def initial_eval_setting(value) -> str:
+    """`eval.initial` normalised to one of INITIAL_EVAL_CHOICES (a bool, or one of them in any
+    case); ValueError otherwise."""
+    setting = str(value).strip().lower()
+    if setting not in INITIAL_EVAL_CHOICES:
+        raise ValueError(f"eval.initial={value!r}: expected one of {', '.join(INITIAL_EVAL_CHOICES)}")
+    return setting
+
+
+def evaluates_initial(config) -> bool:
+    """Whether a new run evaluates its policy before any training (`eval.initial`): 'true' or
+    'false', or 'auto' = unless SFT comes first and the policy is randomly initialised (neither
+    `checkpoint.hf_path` nor `checkpoint.init_from`). Then the evaluation after SFT is the run's
+    baseline (the summary's 'after SFT'), and one of random weights measures nothing the run uses
+    while costing a whole evaluation at every episode's token limit (the default: 0.000 in every
+    run recorded, 4.3 s warm and 10.4 s from a cold cache)."""
+    setting = initial_eval_setting(config.eval.get("initial", "auto"))
+    if setting != "auto":
+        return setting == "true"
+    random_weights = not config.checkpoint.hf_path and not config.checkpoint.init_from
+    return not (config.sft.steps > 0 and random_weights)
+
+
 def stop_reason(rl, iteration: int, *, trained_tokens_total: int, elapsed_seconds: float, durations: list[float],
                 last_eval_seconds: float) -> str | None:
     """Why RL ends after `iteration` before `rl.iterations` (one of STOP_REASONS), pure:

@@ -315,7 +315,7 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
                     global_step=step, console=f"warning: checkpoint step {step} does not restore ({reason}); resuming "
                                               f"from the newest one that does"
                                               f"{' (step ' + str(run.checkpointer.step) + ')' if run.resume else ''}")
-        if run.resume is None:
+        if run.resume is None and run_schedule.evaluates_initial(config):
             run.log("initial_eval", 0, run.evaluate())
         with heap.frozen_heap():
             run_sft(run)

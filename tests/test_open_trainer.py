@@ -63,6 +63,7 @@ def _records(path):
     ("rollout.max_think_tokens", -1, r"rollout.max_think_tokens=-1: expected >= 0"),
     ("rollout.top_k", -1, r"rollout.top_k=-1: expected >= 0"),
     ("rollout.top_p", 0.0, r"rollout.top_p=0.0: expected in \(0, 1\]"),
+    ("eval.initial", "sometimes", r"eval.initial='sometimes': expected one of auto, true, false"),
 ])
 def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, message):
     config = tiny_config(tmp_path)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from jaxrl_agent import build, checkpoint, config_lib, plot, trainer
+from jaxrl_agent import build, checkpoint, config_lib, plot, run_schedule, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,8 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     path = trainer.train_and_evaluate(config, quiet=True)
     records = [json.loads(line) for line in open(path)]
     stages = [r["stage"] for r in records]
-    assert stages[:2] == ["start", "initial_eval"]
+    # eval.initial='auto': random weights with SFT first are not evaluated; the SFT eval is the baseline.
+    assert stages[:2] == ["start", "sft"] and "initial_eval" not in stages
     assert records[0]["decode_options"] == "large=fast_minmax small=small_batch (builtin)"
     assert records[0]["sampler_engines"] == str(build.local_engine_count(config))  # the auto choice, logged
     assert stages.count("sft") == 3 and "sft_eval" in stages
@@ -110,10 +111,10 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     assert scalars[("rl/loss", last["global_step"])] == pytest.approx(last["loss"], rel=1e-6)
     assert ("rl/finish_reasons/" + next(iter(last["finish_reasons"])), last["global_step"]) in scalars
     # Held-out success is one curve from the first evaluation to the last, on one step axis:
-    # before training (0), after SFT (sft.steps) and during RL (sft.steps + iteration).
+    # after SFT (sft.steps) and during RL (sft.steps + iteration); eval.initial adds step 0.
     curve = sorted((e.step, e.value) for e in accumulator.Scalars("eval/success"))
     assert curve == [(r["global_step"], pytest.approx(r["eval/success"])) for r in evals]
-    assert [step for step, _ in curve] == [0, 3, 4, 5]
+    assert [step for step, _ in curve] == [3, 4, 5]
     assert not any(tag.startswith(("sft_eval/", "rl_eval/", "initial_eval/")) for tag in accumulator.Tags()["scalars"])
     # The resolved config (overrides applied) is in the workdir, and its hyper-parameters in TensorBoard.
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -507,6 +508,28 @@ def test_export_at_every_save_writes_a_hugging_face_folder_of_that_checkpoint(tm
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     with pytest.raises(FileNotFoundError, match=re.escape(f"; steps: {steps}")):
         export_hf.export(config, str(tmp_path / "run"), str(tmp_path / "none"), step=999)
+
+
+def test_the_initial_evaluation_runs_unless_random_weights_go_to_sft_first(tmp_path):
+    config = tiny_config(tmp_path)
+    evaluates = lambda: run_schedule.evaluates_initial(config)
+    assert not evaluates()  # 'auto', SFT first, random weights
+    config.sft.steps = 0
+    assert evaluates()  # RL straight from random weights: the initial evaluation is the baseline
+    config.sft.steps = 3
+    config.checkpoint.init_from = str(tmp_path / "earlier_run")
+    assert evaluates()  # weights from a checkpoint: worth knowing before SFT changes them
+    config.checkpoint.init_from = ""
+    config.checkpoint.hf_path = str(tmp_path / "hf")
+    assert evaluates()
+    config.checkpoint.hf_path = ""
+    for value, expected in (("TRUE", True), ("false", False)):
+        config.eval.initial = value
+        assert evaluates() is expected
+    assert run_schedule.initial_eval_setting(True) == "true" and run_schedule.initial_eval_setting(False) == "false"
+    config.sft.steps = 0
+    config.eval.initial = "false"
+    assert not evaluates()
 
 
 def test_stop_reason_is_the_limit_the_run_reaches_first():
