@@ -1115,9 +1115,10 @@ class Environments:
 
 
 def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.Mesh, params, *, sft: bool = False,
-                  objective=None, ref_params=None, teacher_params=None):
+                  objective=None, ref_params=None, teacher_params=None, token_logprobs: bool = False):
     """(train state, jitted train step) for SFT (`config.sft`) or RL (`config.rl`, with `objective`
-    and the frozen `ref_params` / `teacher_params` when it needs them)."""
+    and the frozen `ref_params` / `teacher_params` when it needs them). `token_logprobs`: the step
+    also returns the batch's log-probs under its starting parameters (`make_train_step`)."""
     from jaxrl_agent import learner
 
     c = config.sft if sft else config.rl
@@ -1132,7 +1133,7 @@ def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.M
         learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
                                 microbatches=config.learner.microbatches,
                                 temperature=1.0 if sft else config.rollout.temperature,
-                                logits_chunk=config.learner.logits_chunk, mesh=mesh),
+                                logits_chunk=config.learner.logits_chunk, mesh=mesh, token_logprobs=token_logprobs),
         jax.eval_shape(make_state, params, ref_params, teacher_params), mesh)
     # Made on the mesh, every leaf in its sharding (the optimizer's counters too): a checkpoint
     # before the first update holds global arrays, as several processes need.

@@ -107,8 +107,11 @@ def run_rl(run: Run) -> None:
         # A frozen judge: its own copy of the weights RL starts from (the learner's are donated at
         # every step); a resumed run restores the copy from its checkpoint below.
         run.judge_params = jax.tree.map(jnp.copy, run.params)
+    # The drift measurement's log-probs before the update come from the first step's forward pass
+    # (or, under the decoupled correction, from its proximal pass).
+    step_logprobs = config.invariants.drift_every > 0 and not run.objective.needs_proximal
     state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, objective=run.objective,
-                                         ref_params=reference, teacher_params=teacher)
+                                         ref_params=reference, teacher_params=teacher, token_logprobs=step_logprobs)
     logprobs_fn = learner.make_proximal_logprobs(run.model_config, run.mesh, temperature=r.temperature,
                                                  logits_chunk=config.learner.logits_chunk) \
         if run.objective.needs_proximal or config.invariants.drift_every > 0 else None
@@ -211,7 +214,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
            if _every(config.invariants.drift_every, iteration) else {}),
         loss_controls=(run.invariants.controls.entropy_coef, float(run.invariants.controls.icepop), 0.0)
         if run.invariant_settings.respond else None, summary_weight=config.learner.summary_weight,
-        distill_envs=run.postprocess.distill_only_envs)
+        distill_envs=run.postprocess.distill_only_envs,
+        step_logprobs=config.invariants.drift_every > 0 and proximal is None)  # as run_rl built the step
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if learner_metrics:  # an update was made (by every process: with several, some may have had no rows)

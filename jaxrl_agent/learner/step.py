@@ -147,7 +147,8 @@ def _split(batch: PackedBatch, microbatches: int) -> PackedBatch:
 def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransformation, *,
                     objective: Callable | None = None, microbatches: int = 1, temperature: float = 1.0,
                     sft: bool = False, logits_chunk: int = 0, icepop_bounds: tuple[float, float] = (0.5, 2.0),
-                    mesh: jax.sharding.Mesh | None = None) -> Callable[[TrainState, PackedBatch], tuple[TrainState, Metrics]]:
+                    mesh: jax.sharding.Mesh | None = None, token_logprobs: bool = False
+                    ) -> Callable[[TrainState, PackedBatch], tuple[TrainState, Metrics]]:
     """Pure `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -161,6 +162,9 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
       icepop_bounds: the ratio range IcePop keeps when a batch's `loss_controls` turn it on.
       mesh: the mesh `jit_train_step` places the step on; pins the learner's activations to the
         batch's row sharding (`sequence_logprobs`). None = leave placement to XLA.
+      token_logprobs: also return, as metrics['token_logprobs'] [B, T], the log-probs of the batch
+        under the parameters the step started from (its own forward pass: what `sequence_logprobs`
+        gives for them), so that a caller measuring drift needs no forward pass of its own.
     """
     objective = objective or losses.make_objective(losses.default_objective_spec())
     icepop_low, icepop_high = icepop_bounds
@@ -203,7 +207,7 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
                     0.0)
         metrics["entropy"] = losses.masked_token_mean(jax.lax.stop_gradient(entropy), mask)
         metrics["tokens"] = jnp.sum(mask)
-        return loss, metrics
+        return loss, (metrics, jax.lax.stop_gradient(logp))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -216,14 +220,17 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
 
         def accumulate(carry, micro):
             grads_sum, loss_sum = carry
-            (loss, metrics), grads = grad_fn(state.params, state.ref_params, state.teacher_params, micro)
-            return (jax.tree.map(lambda s, g: s + g.astype(s.dtype), grads_sum, grads), loss_sum + loss), metrics
+            (loss, (metrics, logp)), grads = grad_fn(state.params, state.ref_params, state.teacher_params, micro)
+            return ((jax.tree.map(lambda s, g: s + g.astype(s.dtype), grads_sum, grads), loss_sum + loss),
+                    (metrics, logp if token_logprobs else None))
 
         zeros = jax.tree.map(jnp.zeros_like, accumulator)
-        (grads, loss), metrics = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
+        (grads, loss), (metrics, logp) = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
         grads = jax.tree.map(lambda g: g / microbatches, grads)
         loss = loss / microbatches
         metrics = jax.tree.map(jnp.mean, metrics)
+        if token_logprobs:  # [microbatches, B / microbatches, T] -> [B, T], the rows in the batch's order
+            metrics["token_logprobs"] = logp.reshape(batch.tokens.shape)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

@@ -42,7 +42,7 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
               proximal_logprobs: Callable | None = None, logprobs_fn: Callable | None = None,
               current_version: int | None = None, loss_controls: Sequence[float] | None = None,
-              summary_weight: float = 1.0, distill_envs: frozenset[str] = frozenset()
+              summary_weight: float = 1.0, distill_envs: frozenset[str] = frozenset(), step_logprobs: bool = False
               ) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
     new state and the last step's metrics as floats ({} when there is nothing to train on), with
@@ -56,7 +56,10 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     'invariants/drift/policy_kl' over all its sampled tokens. `loss_controls`: the step's
     `PackedBatch.loss_controls` row (entropy bonus, IcePop on, 0), put on every row.
     `summary_weight`: the weight of summary tokens' advantages (`replay.pack`); `distill_envs`: the
-    environments whose episodes alone the distillation term covers (`replay.pack`; empty = all)."""
+    environments whose episodes alone the distillation term covers (`replay.pack`; empty = all).
+    `step_logprobs`: `step_fn` returns metrics['token_logprobs'] (`make_train_step(token_logprobs=True)`),
+    the first minibatch's log-probs under the starting parameters, which the drift measurement then
+    takes instead of a forward pass of `logprobs_fn` of its own (one of its two)."""
     from jaxrl_agent import replay
 
     # With several processes (jax.distributed) each holds its own trajectories, and the global batch
@@ -78,13 +81,23 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
     measure = logprobs_fn is not None and current_version is not None
-    if measure:  # before any update: the parameters the sampler holds (the step donates them)
-        start = batches[0].old_logprobs if proximal_logprobs is not None else logprobs_fn(state.params, batches[0])
-        start = sharding.to_host(start)
+    # Before any update: the log-probs under the parameters the sampler holds (the step donates
+    # them), from the decoupled correction's proximal pass, the first step's own forward pass, or
+    # a pass of their own.
+    start = None
+    if measure and proximal_logprobs is not None:
+        start = batches[0].old_logprobs
+    elif measure and not step_logprobs:
+        start = logprobs_fn(state.params, batches[0])
     metrics, skipped = {}, []
-    for batch in batches:
+    for i, batch in enumerate(batches):
         state, metrics = step_fn(state, batch)
+        token_logprobs = metrics.pop("token_logprobs", None)
+        if measure and start is None and i == 0:
+            start = token_logprobs
         skipped.append(metrics["update_skipped"])
+    if measure:
+        start = sharding.to_host(start)
     out = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if measure:
         out.update(_drift(start, sharding.to_host(logprobs_fn(state.params, batches[0])),

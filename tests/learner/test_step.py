@@ -130,6 +130,39 @@ def test_microbatch_accumulation_matches_the_full_batch():
     np.testing.assert_allclose(micro_metrics["entropy"], full_metrics["entropy"], rtol=1e-3)
 
 
+def test_the_step_returns_its_starting_log_probs_and_the_drift_measure_uses_them():
+    """make_train_step(token_logprobs=True): metrics['token_logprobs'] [B, T] are the batch's
+    log-probs under the parameters the step started from (with microbatches, rows in the batch's
+    order), and rl_update's drift metrics from them equal those of a forward pass of their own."""
+    optimizer = learner.make_optimizer(learning_rate=1e-2, warmup_steps=1, total_steps=10)
+    batch = jax.tree.map(jnp.asarray, _expert_batch(n=8, row_length=128))
+    mesh = sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    logprobs_fn = learner.make_proximal_logprobs(CONFIG, mesh, temperature=1.0)
+    step = jax.jit(learner.make_train_step(CONFIG, optimizer, microbatches=2, token_logprobs=True))
+    state = learner.init_state(jax.tree.map(jnp.copy, PARAMS), optimizer)
+    for _ in range(3):  # the warm-up's first step has a learning rate of 0: the later ones move
+        expected = np.asarray(logprobs_fn(state.params, batch))
+        state, metrics = step(state, batch)
+        chex.assert_shape(metrics["token_logprobs"], batch.tokens.shape)
+        np.testing.assert_allclose(np.asarray(metrics["token_logprobs"]), expected, atol=1e-5)
+    moved = np.asarray(logprobs_fn(state.params, batch))
+    assert np.abs(moved - expected)[np.asarray(batch.loss_mask) == 1].max() > 1e-3  # after the step: not these
+
+    trajectories = _trajectories(8)
+    drift = {}
+    for step_logprobs in (False, True):
+        state = learner.init_state(jax.tree.map(jnp.copy, PARAMS), optimizer)
+        step_fn = jax.jit(learner.make_train_step(CONFIG, optimizer, token_logprobs=step_logprobs))
+        _, out = learner.rl_update(state, step_fn, trajectories, rng=np.random.RandomState(0), minibatches=2,
+                                   row_length=128, row_multiple=2, target_multiple=0, mesh=mesh,
+                                   logprobs_fn=logprobs_fn, current_version=0, step_logprobs=step_logprobs)
+        assert "token_logprobs" not in out
+        drift[step_logprobs] = {k: v for k, v in out.items() if k.startswith("invariants/drift/")}
+    assert drift[True].keys() == drift[False].keys() and drift[True]["invariants/drift/policy_kl"] > 0
+    for key, value in drift[False].items():
+        np.testing.assert_allclose(drift[True][key], value, rtol=1e-3, atol=1e-6, err_msg=key)
+
+
 def test_chunked_logits_give_the_same_update_as_whole_rows():
     """learner.logits_chunk changes memory, not the step: same loss, metrics and new parameters."""
     optimizer = learner.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)
