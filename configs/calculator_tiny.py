@@ -435,7 +435,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.invariants.staleness_min = 0  # The tightest staleness bound the drift response sets.
     # Drift measured apart from learning, every N RL iterations (0 = never): the train/serve gap on
     # tokens the sampler drew with the learner's current parameters (numerics only), and the policy's
-    # movement over the iteration's updates (KL(start || end)). Two forward passes of one minibatch.
+    # movement over the iteration's updates (KL(start || end)). One forward pass of one minibatch (the
+    # log-probs before the update come from the first train step's own; the decoupled correction's proximal pass).
     config.invariants.drift_every = 1
 
     config.sandbox = ml_collections.ConfigDict()
