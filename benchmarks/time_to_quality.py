@@ -38,6 +38,8 @@ ARMS = {
     "prompts_32": (["--config.rollout.prompts_per_iteration=32"], 2.0),
     "temperature_1.3": (["--config.rollout.temperature=1.3"], 1.0),
     "minibatches_4": (["--config.rl.minibatches=4"], 1.0),
+    # One update per iteration on the whole batch: the learner's time halves.
+    "minibatches_1": (["--config.rl.minibatches=1"], 1.0),
     "lr_3e-4": (["--config.rl.learning_rate=3e-4"], 1.0),
 }
 
