@@ -242,7 +242,8 @@ def decode_options_record(sampler) -> dict[str, str]:
     choice = getattr(getattr(sampler, "engine", None), "decode_choice", None)
     if choice is None:
         return {}
-    return {"sampler_engines": str(len(getattr(sampler, "engines", (sampler.engine,)))), "decode_options": choice.describe()}
+    engines = getattr(sampler, "engines", (sampler.engine,))
+    return {"sampler_engines": str(len(engines)), "decode_options": choice.describe()}
 
 
 def smoke_forward(config) -> dict:
@@ -689,7 +690,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
                                                      and config.sampler.prefix_cache_entries % lanes == 0)),
          f"sampler.local_engines={lanes!r}: expected 0 (auto) or an integer >= 1 that divides "
          f"sampler.max_concurrent_decodes={config.sampler.max_concurrent_decodes} and "
-         f"sampler.prefix_cache_entries={config.sampler.prefix_cache_entries} (each engine takes an equal share of both)")
+         f"sampler.prefix_cache_entries={config.sampler.prefix_cache_entries} (each engine takes an equal share of "
+         "both)")
     need(config.sampler.pipeline_depth >= 1, f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected "
          ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
     need(config.invariants.drift_every >= 0,

@@ -136,7 +136,7 @@ def run_rl(run: Run) -> None:
     try:
         for iteration in range(first_iteration, c.iterations + 1):
             iteration_started = time.monotonic()
-            state = rl_iteration(run, source, iteration, state, step_fn, proximal, logprobs_fn)
+            state = rl_iteration(run, source, iteration, state, step_fn, proximal, logprobs_fn, step_logprobs)
             durations.append(time.monotonic() - iteration_started)
             reason = stop_reason(c, iteration, trained_tokens_total=run.trained_tokens_total,
                                  elapsed_seconds=run.elapsed_seconds(), durations=durations,
@@ -182,8 +182,9 @@ def _restore_rl(run: Run, source: rollout.source.RolloutSource, state, resume: c
 
 
 def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int, state, step_fn, proximal,
-                 logprobs_fn=None):
-    """Source -> post-processing -> replay -> learner -> metrics -> new weights."""
+                 logprobs_fn=None, step_logprobs: bool = False):
+    """Source -> post-processing -> replay -> learner -> metrics -> new weights. `step_logprobs`:
+    `step_fn` returns its starting log-probs (`build_learner(token_logprobs=True)`)."""
     config = run.config
     started = time.perf_counter()
     sampler_before = run.sampler_stats()
@@ -214,8 +215,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
            if _every(config.invariants.drift_every, iteration) else {}),
         loss_controls=(run.invariants.controls.entropy_coef, float(run.invariants.controls.icepop), 0.0)
         if run.invariant_settings.respond else None, summary_weight=config.learner.summary_weight,
-        distill_envs=run.postprocess.distill_only_envs,
-        step_logprobs=config.invariants.drift_every > 0 and proximal is None)  # as run_rl built the step
+        distill_envs=run.postprocess.distill_only_envs, step_logprobs=step_logprobs)
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if learner_metrics:  # an update was made (by every process: with several, some may have had no rows)

@@ -65,6 +65,14 @@ def test_misspelled_override_fails_with_clear_message(override, named):
     assert "Traceback" not in result.stderr
 
 
+def test_launcher_reaches_eval_initial_and_names_a_bad_value(tmp_path):
+    result = _run("--config", "configs/calculator_tiny.py", "--config.eval.initial=sometimes",
+                  f"--config.workdir={tmp_path}")
+    assert result.returncode != 0
+    assert "eval.initial='sometimes': expected one of auto, true, false" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_launcher_loads_hf_checkpoint(tmp_path):
     config = models.ModelConfig(architecture="qwen3", qk_norm=True, vocab_size=400)
     models.save_hf(str(tmp_path), config, models.init_params(config, jax.random.PRNGKey(0)))

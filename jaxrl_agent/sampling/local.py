@@ -130,9 +130,10 @@ class LocalSampler:
     `LocalSampler(engine)` runs one decode loop; `LocalSampler([e0, e1, ...])` runs one per engine
     (each with its own slots, decode state and prefix cache) and routes each request to the engine
     whose prefix cache holds the most of its prompt (an episode's next turn goes where its history
-    is), a prompt sent again to the engine that has it, else to the least loaded. On a CPU host the decode loops then run on different cores: the
-    engines' XLA calls release the GIL, and a step of a small model at these row counts uses one
-    core however XLA threads it (benchmarks/RESULTS.md, "Two decode lanes"). `build.build_sampler`
+    is), a prompt sent again to the engine that has it, else to the least loaded. On a CPU host the
+    decode loops then run on different cores: the engines' XLA calls release the GIL, and a step of
+    a small model at these row counts uses one core however XLA threads it (benchmarks/RESULTS.md,
+    "Two decode lanes"). `build.build_sampler`
     makes `sampler.local_engines` engines, splitting the slots and cache entries between them.
 
     With `engine.prefix_cache_entries > 0`, a prompt that continues a finished request (the next
