@@ -129,6 +129,27 @@ def _dense(features, axis, use_bias, config: ModelConfig, name):
     )
 
 
+@jax.custom_jvp
+def attention_softmax(scores: jax.Array) -> jax.Array:
+    """softmax over the last axis, p = exp(s - max s) / sum exp(s - max s), whose derivative is
+    computed from p alone: dp = p * (ds - sum(p * ds)), and in the backward pass
+    ds = p * (dp - sum(p * dp)).
+
+    The same values as `jax.nn.softmax`, whose derivative (this JAX's default, without
+    `jax_softmax_custom_jvp`) differentiates the exp, the sum and the division and keeps their
+    [B, K, G, T, S] intermediates for the backward pass: on XLA:CPU that was 15% of a train step
+    of the default model (benchmarks/RESULTS.md)."""
+    unnormalized = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    return unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
+
+
+@attention_softmax.defjvp
+def _attention_softmax_jvp(primals, tangents):
+    (scores,), (scores_dot,) = primals, tangents
+    probs = attention_softmax(scores)
+    return probs, probs * (scores_dot - jnp.sum(probs * scores_dot, axis=-1, keepdims=True))
+
+
 def _write_cache(cache: jax.Array, new: jax.Array, start: jax.Array, *, keys: bool) -> jax.Array:
     """Writes new [B, K, T, D] at positions start[b] + 0..T-1 of cache [B, K, D, S] (keys) or
     [B, K, S, D] (values), in place.
@@ -185,7 +206,7 @@ class Attention(nn.Module):
         # An additive bias rather than a select: the backward of `where` materialised a
         # [L, B, K, G, T, S] broadcast of its constant per step on XLA:CPU.
         scores = scores + jnp.where(mask, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None, :, :]
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype).reshape(b, k, g * t, s)
+        probs = attention_softmax(scores).astype(cfg.jnp_dtype).reshape(b, k, g * t, s)
         out = jnp.einsum("bkqs,bksd->bkqd", probs, value.astype(cfg.jnp_dtype))
         out = out.reshape(b, k, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, n, d)
         out = _dense(cfg.hidden_size, (-2, -1), False, cfg, "o_proj")(out).reshape(b, t, cfg.hidden_size)

@@ -127,6 +127,52 @@ def test_remat_and_unrolled_layers_give_identical_values_and_gradients(remat, sc
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_attention_softmax_equals_jax_softmax_in_value_and_derivatives():
+    from jaxrl_agent.models import transformer
+
+    scores = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 5, 7)) * 4.0
+    # Masked positions as the attention adds them (a large negative bias), one row fully visible.
+    scores = scores + jnp.where(jnp.tril(jnp.ones((5, 7), bool), 2), 0.0, transformer._MASK_VALUE)
+    weights = jax.random.normal(jax.random.PRNGKey(1), scores.shape)
+    ours, reference = transformer.attention_softmax, lambda s: jax.nn.softmax(s, axis=-1)
+    np.testing.assert_allclose(ours(scores), reference(scores), rtol=1e-6, atol=1e-7)
+
+    def objective(softmax, s):
+        return jnp.sum(weights * softmax(s) ** 2)  # not linear in p: the chain rule through p matters
+
+    grad, grad_ref = (jax.grad(functools.partial(objective, f))(scores) for f in (ours, reference))
+    np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-6)
+    # The closed form: ds = p * (dp - sum(p * dp)), with dp = 2 w p.
+    p = reference(scores)
+    dp = 2 * weights * p
+    np.testing.assert_allclose(grad, p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)), rtol=1e-5, atol=1e-6)
+    tangent = jax.random.normal(jax.random.PRNGKey(2), scores.shape)
+    _, jvp = jax.jvp(ours, (scores,), (tangent,))
+    _, jvp_ref = jax.jvp(reference, (scores,), (tangent,))
+    np.testing.assert_allclose(jvp, jvp_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_model_gradients_equal_those_through_jax_softmax(monkeypatch):
+    """The whole model's loss and gradients with the attention's own softmax derivative equal the
+    ones differentiated through jax.nn.softmax (packed segments, GQA)."""
+    from jaxrl_agent.models import transformer
+
+    config = CONFIGS["qwen3"]
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 10), 0, config.vocab_size)
+    segments = jnp.asarray([[1] * 4 + [2] * 6, [1] * 10])
+
+    def loss(p):
+        return jnp.mean(jax.nn.log_softmax(models.forward(config, p, tokens, segment_ids=segments))[..., 0])
+
+    value, grad = jax.value_and_grad(loss)(params)
+    monkeypatch.setattr(transformer, "attention_softmax", lambda s: jax.nn.softmax(s, axis=-1))
+    value_ref, grad_ref = jax.value_and_grad(loss)(params)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_bfloat16_params_and_compute_give_float32_logits():
     config = CONFIGS["llama"].replace(param_dtype="bfloat16", dtype="bfloat16")
     params = models.init_params(config, jax.random.PRNGKey(0))
