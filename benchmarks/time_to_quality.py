@@ -41,6 +41,18 @@ ARMS = {
     # One update per iteration on the whole batch: the learner's time halves.
     "minibatches_1": (["--config.rl.minibatches=1"], 1.0),
     "lr_3e-4": (["--config.rl.learning_rate=3e-4"], 1.0),
+    # Rollout allocation over a revisited pool of 2,048 training tasks (issue 7's strategies: the
+    # groups go to the tasks whose success posteriors promise mixed outcomes), and the pool alone.
+    "knapsack": (["--config.allocation.strategy=knapsack", "--config.allocation.task_pool=2048"], 1.0),
+    "variance": (["--config.allocation.strategy=variance", "--config.allocation.task_pool=2048"], 1.0),
+    "pool_2048": (["--config.allocation.task_pool=2048"], 1.0),
+    # Advantages and objectives (docs/losses.md).
+    "advantage_grpo": (["--config.rl.advantage=grpo"], 1.0),
+    "advantage_rloo": (["--config.rl.advantage=rloo"], 1.0),
+    "objective_ppo": (["--config.rl.objective=ppo"], 1.0),
+    "objective_cispo": (["--config.rl.objective=cispo"], 1.0),
+    # A weaker mirror-descent regulariser: the policy may move further from the sampler's per update.
+    "tau_0.01": (["--config.rl.tau=0.01"], 1.0),
 }
 
 
