@@ -55,3 +55,22 @@ def test_run_row_and_the_summary_over_seeds():
     assert arm["at"][4.0] == pytest.approx(0.52)  # only the seed that had evaluated by then
     assert arm["at"][8.0] == pytest.approx((0.64 + 0.50) / 2)
     assert arm["median_iteration_s"] == pytest.approx((fast["median_iteration_s"] + 3.0) / 2)
+
+
+@pytest.mark.parametrize("arm", sorted(ttq.ARMS))
+def test_every_arm_names_config_keys_with_valid_values(arm):
+    """An arm's flags reach real keys of the default config with values its validation accepts (a
+    typo would otherwise surface only after the benchmark's SFT run)."""
+    from jaxrl_agent import build, config_lib
+
+    path = str(ROOT / "configs" / "calculator_tiny.py")
+    flags, spacing = ttq.ARMS[arm]
+    assert spacing > 0
+    config_lib.check_overrides(["--config", path, *flags])
+    config = config_lib.load_config(path)
+    for flag in flags:
+        key, raw = flag[len("--config."):].split("=", 1)
+        section, _, field = key.rpartition(".")
+        target = config_lib._get(config, section) if section else config
+        target[field] = config_lib._parse_like(key, raw, target[field])
+    build.validate_config(config)
