@@ -53,6 +53,12 @@ ARMS = {
     "objective_cispo": (["--config.rl.objective=cispo"], 1.0),
     # A weaker mirror-descent regulariser: the policy may move further from the sampler's per update.
     "tau_0.01": (["--config.rl.tau=0.01"], 1.0),
+    # Eight episodes per task on half the tasks (the same 256 episodes an iteration): more groups
+    # with mixed outcomes and a baseline over eight; fewer distinct tasks.
+    "group_8": (["--config.rollout.group_size=8", "--config.rollout.prompts_per_iteration=32"], 1.0),
+    # DAPO's dynamic sampling: each iteration submits ceil(64 / the running non-zero share) groups
+    # (up to 4x), so the learner sees ~64 groups with signal; longer iterations, evaluated every 5.
+    "dynamic_sampling": (["--config.allocation.dynamic_sampling=True"], 0.5),
 }
 
 

@@ -743,8 +743,19 @@ def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, versi
     if rows == b and window == full:
         return sub, data
     back = lambda whole, part: jax.lax.dynamic_update_slice(whole, part.astype(whole.dtype), (0,) * whole.ndim)
+    # Only the positions the steps wrote go back into the whole cache: step i wrote row r's keys and
+    # values at min(p_r + i', window - 1) for some i' <= i (a row's position advances at most once a
+    # step, and every row writes at its clamped position, live or not), so the strip
+    # min(p_r + 0..steps-1, window - 1) covers every write; the rest of the window is the copy it
+    # was taken from. Writing back the whole window cost about as much as taking it (~0.3-0.45 ms a
+    # 4-step call of 8 rows at windows 128-256, benchmarks/RESULTS.md).
+    written = jnp.minimum(head(state.position)[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :], window - 1)
+    slot = jnp.arange(rows)[:, None]  # [rows, 1] against written [rows, steps]
+    # Both index forms put the indexed axes first: the strip is [rows, steps, K, D] either way.
+    strip_k = lambda whole, part: whole.at[slot, :, :, written].set(part[slot, :, :, written])
+    strip_v = lambda whole, part: whole.at[slot, :, written, :].set(part[slot, :, written, :])
     state = state.replace(
-        cache=models.KVCache(tuple(back(f, p) for f, p in zip(state.cache.k, sub.cache.k)),
-                             tuple(back(f, p) for f, p in zip(state.cache.v, sub.cache.v))),
+        cache=models.KVCache(tuple(strip_k(f, p) for f, p in zip(state.cache.k, sub.cache.k)),
+                             tuple(strip_v(f, p) for f, p in zip(state.cache.v, sub.cache.v))),
         rng=sub.rng, **{f: back(getattr(state, f), getattr(sub, f)) for f in per_slot})
     return state, jnp.pad(data, ((0, b - rows), (0, 0)))

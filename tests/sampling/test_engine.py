@@ -515,6 +515,41 @@ def test_decode_windows_attend_over_the_live_positions_only_and_decode_exactly()
     assert full.finish_reason == "context_limit" and len(full.token_ids) == 256 - 120 + 1  # the last one uncached
 
 
+def test_a_windowed_call_leaves_the_whole_cache_as_a_full_call_does():
+    """A call over the first rows and window positions writes back only the strip of positions its
+    steps wrote (each row from its own position): afterwards every cache position of the rows it
+    decoded equals the full call's — rows whose strips start 55 positions apart, empty slots and a
+    stopped row (which rewrites its position) — and the rows it did not decode are untouched."""
+    engine = _engine(max_concurrent_decodes=32, max_prefill_length=128, max_cache_length=256, steps_per_call=5)
+    rng = np.random.RandomState(7)
+    prompts = [rng.randint(3, TOKENIZER.vocab_size, n).astype(np.int32) for n in (5, 50, 23, 60)]
+    greedy = [SamplingParams(temperature=0.0)] * 4
+
+    def fresh_state():
+        state = engine.prefill_insert_many(prompts, greedy, engine.init_decode_state(), [0, 1, 2, 3])
+        # Slot 3 stopped at position 60: a stopped row still writes at its clamped position.
+        return engine.free_slots(state, [3])
+
+    window = engine.decode_window(60)
+    rows = engine.decode_rows(4)
+    assert (rows, window) == (8, 128)  # a compact, windowed call: the strip write-back path
+    before = jax.device_get(fresh_state())
+    full_state, full = engine.generate(None, fresh_state())
+    part_state, part = engine.generate(None, fresh_state(), live_slots=4, live_length=60)
+    np.testing.assert_array_equal(np.asarray(part.data)[:4, :5], np.asarray(full.data)[:4, :5])  # tokens
+    np.testing.assert_array_equal(np.asarray(part_state.rng), np.asarray(full_state.rng))
+    for name in ("next_token", "next_logprob", "next_version", "position", "generated", "active"):
+        got, want = np.asarray(getattr(part_state, name)), np.asarray(getattr(full_state, name))
+        np.testing.assert_allclose(got[:rows], want[:rows], atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(got[rows:], np.asarray(getattr(before, name))[rows:], err_msg=name)
+    # Every position of the decoded rows, the stopped row 3 included (both calls rewrite its
+    # position 60), as the full call left them; the other rows as they were.
+    for got, want, old in zip(part_state.cache.k + part_state.cache.v, full_state.cache.k + full_state.cache.v,
+                              before.cache.k + before.cache.v):
+        np.testing.assert_allclose(np.asarray(got)[:rows], np.asarray(want)[:rows], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got)[rows:], np.asarray(old)[rows:])
+
+
 def test_weight_messages_reassemble_bit_exactly_and_bad_streams_are_named():
     """`weight_messages` -> `WeightAssembly` is the identity on a parameter tree (float32 and
     bfloat16, empty arrays, any chunk size); streams that are short, mixed or corrupt are refused."""
