@@ -40,7 +40,6 @@ engine_api, _, _, _, token_utils = import_jetstream()
 
 # Batched prefills pad their row count to a power of two at least this (fewer compiled shapes).
 MIN_PREFILL_ROWS = 8
-MIN_BATCHED_PREFILL_BUCKET = 32
 MIN_PREFILL_BUCKET = 16
 # `generate` decodes the first R slots only, R = B/8 or B/4 of the B slots, at least this.
 MIN_DECODE_ROWS = 8
@@ -58,6 +57,18 @@ def prefill_rows(n: int) -> int:
     """Rows of a batched prefill, extend or save call for n requests: a power of two, at least
     MIN_PREFILL_ROWS (each distinct row count compiles once)."""
     return max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def prefill_bucket(length: int) -> int:
+    """The padded length of a prefill or extend of `length` tokens: the smallest of 16, 24, 32, 48,
+    64, 96, 128, ... (the powers of two from MIN_PREFILL_BUCKET and 3/4 of each) that holds it. A
+    call's cost is about linear in its padded tokens (8 rows of a 64-token extend took 10.4 ms, of
+    48 tokens 8.2 ms, of 32 6.1 ms; benchmarks/RESULTS.md): powers of two alone padded a 33-token
+    turn to 64. Each bucket is one more compiled shape per row count, so the ladder stays geometric."""
+    power = max(MIN_PREFILL_BUCKET, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
+    if power > MIN_PREFILL_BUCKET and length <= power * 3 // 4:
+        return power * 3 // 4
+    return power
 
 
 def _cache_window(cache_length: int, end: int | None, minimum: int) -> int:
@@ -172,6 +183,23 @@ def decode_result_row(data: np.ndarray, slot: int, steps: int) -> dict[str, np.n
     }
 
 
+def decode_result_lists(data: np.ndarray, steps: int) -> dict[str, list]:
+    """Every slot's row of ResultTokens.data at once, as Python lists ([slot][step] for tokens,
+    valid (0/1), logprobs and versions; [slot] for length): four numpy operations a call, where
+    reading each slot's row and each of its tokens as numpy scalars (`decode_result_row`) cost
+    ~0.1 ms a 4-step call of 8 slots, ~1 ms at 64 — Python time the decode thread spends between
+    calls. `{k: v[slot] for k, v in lists.items()}` is a row for `CompletionBuilder.add_row`."""
+    cols = result_columns(steps)
+    data = np.asarray(data)
+    return {
+        "tokens": data[:, slice(*cols["tokens"])].tolist(),
+        "valid": data[:, slice(*cols["valid"])].tolist(),
+        "length": data[:, cols["length"][0]].tolist(),
+        "logprobs": np.ascontiguousarray(data[:, slice(*cols["logprobs"])]).view(np.float32).tolist(),
+        "versions": data[:, slice(*cols["versions"])].tolist(),
+    }
+
+
 class EngineTokenizer:
     """Our Tokenizer seen through JetStream's tokenizer API (ids in, ids out)."""
 
@@ -210,7 +238,7 @@ class AgentEngine(engine_api.Engine):
       config: the model architecture.  params: its parameters.
       tokenizer: a `jaxrl_agent.tokenizer.Tokenizer` (for text requests and the stop token).
       max_concurrent_decodes: KV-cache slots B.
-      max_prefill_length: longest prompt, a power of two (prompts are padded to power-of-two buckets).
+      max_prefill_length: longest prompt, a power of two (prompts are padded to `prefill_bucket`s).
       max_cache_length: tokens per slot (prompt + generation); defaults to 2 * max_prefill_length.
       steps_per_call: decode steps per `generate` call (amortises per-call overhead).
       stop_token_ids: ids that end a sample (default: the tokenizer's eos).
@@ -342,10 +370,12 @@ class AgentEngine(engine_api.Engine):
         return self._params
 
     def bucket_length(self, length: int) -> int:
+        """Tokens a prompt (or a continued turn's new tokens) of `length` is padded to
+        (`prefill_bucket`); a prompt longer than max_prefill_length is refused."""
         if length > self._max_prefill:
             raise PromptTooLongError(
                 f"prompt of {length} tokens exceeds max_prefill_length={self._max_prefill}")
-        return max(MIN_PREFILL_BUCKET, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
+        return prefill_bucket(length)
 
     def prefill(self, *, params=None, existing_prefix=None, padded_tokens, true_length: int,
                 sampling: SamplingParams | None = None) -> Prefix:
@@ -379,15 +409,15 @@ class AgentEngine(engine_api.Engine):
         prefill dominated the sampler's time on CPU. Identical prompts (a group's G episodes all
         start from the task's prompt) run through the model once; each row still samples its first
         token with its own random stream. The batch is padded to a power-of-two count of rows (at
-        least 8; padded rows are dropped) and of tokens (at least 32), so that few shapes are ever
-        compiled. `params_version` (from `current_params()`) pins the weights used.
+        least 8; padded rows are dropped) and to a `prefill_bucket` of tokens, so that few shapes
+        are ever compiled. `params_version` (from `current_params()`) pins the weights used.
         """
         n = len(prompts)
         if not n == len(samplings) == len(slots):
             raise ValueError(f"{n} prompts, {len(samplings)} sampling params and {len(slots)} slots differ")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         lengths = [int(p.size) for p in prompts]
-        bucket = max(self.bucket_length(max(lengths)), min(MIN_BATCHED_PREFILL_BUCKET, self._max_prefill))
+        bucket = self.bucket_length(max(lengths))
         params, version = params_version or self.current_params()
         first_of: dict[bytes, int] = {}
         source = [first_of.setdefault(p.tobytes(), len(first_of)) for p in prompts]  # row -> unique prompt

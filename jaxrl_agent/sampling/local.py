@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row, prefill_rows
+from jaxrl_agent.sampling.engine import AgentEngine, decode_result_lists, prefill_rows
 from jaxrl_agent.sampling.types import FINISH_REASONS, Completion, PromptTooLongError, Sampler, SamplingParams  # noqa: F401 - re-exported
 from jaxrl_agent.sampling.prefix_cache import PrefixIndex
 
@@ -327,9 +327,10 @@ class _Lane:
                 continue
             self.stats["generate_calls"] += 1
             finished = []
+            columns = decode_result_lists(data[:live], engine.steps_per_call)
             for slot in list(slots):
                 request = slots[slot]
-                tokens, _, _ = request.builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
+                tokens, _, _ = request.builder.add_row({name: rows[slot] for name, rows in columns.items()})
                 self.stats["tokens"] += len(tokens)
                 if request.builder.finish_reason is not None:
                     finished.append(slot)

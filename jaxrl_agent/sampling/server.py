@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxrl_agent import auth
 
-from jaxrl_agent.sampling.engine import AgentEngine, decode_result_row
+from jaxrl_agent.sampling.engine import AgentEngine, decode_result_lists
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
 from jaxrl_agent.sampling.local import CompletionBuilder, admit_requests, check_prompt, prefix_reusable, save_prefixes
@@ -256,10 +256,10 @@ class SamplerDriver(orchestrator.Driver):
                 live[slot] = (request, CompletionBuilder(max(1, max_tokens), stop_ids))
                 continue
             try:
-                data = np.asarray(item[1].data)
+                columns = decode_result_lists(item[1].data, engine.steps_per_call)
                 for slot in list(live):
                     request, builder = live[slot]
-                    tokens, logprobs, versions = builder.add_row(decode_result_row(data, slot, engine.steps_per_call))
+                    tokens, logprobs, versions = builder.add_row({name: rows[slot] for name, rows in columns.items()})
                     if isinstance(request, DetailedRequest):
                         # Our Generate is unary: the whole completion goes back in one chunk when it
                         # ends (a chunk per call woke the server's event loop for every slot and call).

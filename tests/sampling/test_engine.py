@@ -13,7 +13,7 @@ from jaxrl_agent import models, tokenizer as tok
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, PromptTooLongError, SamplingParams
 from jaxrl_agent.sampling import decoding
 from jaxrl_agent.sampling import engine as engine_lib
-from jaxrl_agent.sampling.engine import decode_result_row
+from jaxrl_agent.sampling.engine import decode_result_lists, decode_result_row
 
 TOKENIZER = tok.CharTokenizer()
 CONFIG = models.ModelConfig(vocab_size=TOKENIZER.vocab_size, num_layers=2, hidden_size=64, num_heads=4,
@@ -136,6 +136,29 @@ def test_a_cancelled_request_never_stops_the_sampler():
         assert list(completion.token_ids) == _greedy_reference(prompt, 5)[0]
         assert sampler.stats["cancelled"] == 1 and sampler.stats["requests"] == 2  # the decoding one ran out
         assert sampler.is_alive()
+
+
+def test_result_lists_read_every_slot_as_its_row_does():
+    """`decode_result_lists` (all slots at once, Python lists) gives each slot's tokens, valid flags,
+    length, log-probs (bit-exact float32) and versions as `decode_result_row` does."""
+    engine = _engine(max_concurrent_decodes=4, steps_per_call=3)
+    prompts = [np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS[:3]]
+    samplings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]
+    state = engine.prefill_insert_many(prompts, samplings, engine.init_decode_state(), [0, 1, 3])
+    engine.update_weights(PARAMS, 5)
+    _, result = engine.generate(None, state)
+    data = np.asarray(result.data)
+    columns = decode_result_lists(data, 3)
+    assert sorted(columns) == ["length", "logprobs", "tokens", "valid", "versions"]
+    for slot in range(4):
+        row = decode_result_row(data, slot, 3)
+        assert columns["tokens"][slot] == row["tokens"].tolist()
+        assert columns["valid"][slot] == row["valid"].astype(int).tolist()
+        assert columns["length"][slot] == row["length"]
+        assert columns["versions"][slot] == row["versions"].tolist()
+        np.testing.assert_array_equal(np.asarray(columns["logprobs"][slot], np.float32), row["logprobs"])
+    assert columns["valid"][2] == [0, 0, 0] and all(columns["valid"][0])  # slot 2 is empty
+    assert set(columns["versions"][1][1:]) == {5}  # sampled after the update
 
 
 def test_weight_update_takes_effect_and_versions_are_recorded():
@@ -384,7 +407,7 @@ def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams
     real_fn = many._prefill_insert_fn
     many._prefill_insert_fn = lambda *args: calls.append(args[2].shape) or real_fn(*args)
     batched = many.prefill_insert_many(prompts, samplings, many.init_decode_state(), slots)
-    assert calls == [(8, 32)]  # 9 requests (16 rows padded), 2 distinct prompts: 8 rows run
+    assert calls == [(8, 16)]  # 9 requests (16 rows padded), 2 distinct prompts of <= 16 tokens: 8 x 16 run
     for field in ("next_token", "next_logprob", "position", "active", "temperature"):
         np.testing.assert_allclose(np.asarray(getattr(batched, field)), np.asarray(getattr(state, field)),
                                    atol=1e-5, err_msg=field)

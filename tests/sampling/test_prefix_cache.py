@@ -113,7 +113,7 @@ def test_temperature_sampling_stream_is_unchanged_by_the_cache():
 
 
 class _Buckets:
-    """The one engine method `_by_bucket` reads: power-of-two buckets from 16, at most 128."""
+    """The one engine method `_by_bucket` reads: `prefill_bucket`s from 16, at most 128."""
 
     @staticmethod
     def bucket_length(length):
@@ -127,8 +127,8 @@ def test_prefill_calls_merge_buckets_when_padding_costs_less_than_another_call()
     def calls(lengths):
         return [sorted(group) for group in local._by_bucket(_Buckets(), list(lengths), lambda n: n)]
 
-    # Eight tool results of 10-40 tokens: one call of 8 x 64 (576 slots with the call's cost), not
-    # 8 x 16 + 8 x 32 + 8 x 64 (1,088 slots) as when each bucket had a call of its own.
+    # Eight tool results of 10-40 tokens: one call of 8 x 48 (448 slots with the call's cost), not
+    # 8 x 16 + 8 x 24 + 8 x 32 + 8 x 48 (1,216 slots) as when each bucket had a call of its own.
     assert calls([10, 12, 20, 25, 30, 33, 38, 40]) == [[10, 12, 20, 25, 30, 33, 38, 40]]
     # One long prompt among many short ones keeps a call of its own: 32 x 16 + 8 x 128, not 64 x 128.
     assert calls([9] * 32 + [100]) == [[9] * 32, [100]]
@@ -183,3 +183,18 @@ def test_prefix_copies_of_the_first_positions_only_sample_what_a_full_prefill_sa
         assert cached.stats["prefix_hits"] == 4 * 4 + 4
     assert {128, 256, 512} <= set(windows)
     assert got == expected
+
+
+def test_prefill_buckets_are_powers_of_two_and_three_quarters_of_them():
+    """A prompt pads to the smallest of 16, 24, 32, 48, 64, 96, 128, ... that holds it: a 33-token
+    turn runs 48 positions, not 64; no bucket is below 16; past max_prefill_length it is refused."""
+    from jaxrl_agent.sampling.engine import prefill_bucket
+    from jaxrl_agent.sampling.types import PromptTooLongError
+    assert [prefill_bucket(n) for n in (1, 16, 17, 24, 25, 32, 33, 48, 49, 64, 65, 96, 97, 128)] == \
+        [16, 16, 24, 24, 32, 32, 48, 48, 64, 64, 96, 96, 128, 128]
+    for n in range(1, 1025):  # the smallest of the ladder that holds n
+        ladder = [b for k in range(4, 11) for b in (3 << (k - 2), 1 << k) if b >= 16]
+        assert prefill_bucket(n) == min(b for b in ladder if b >= n), n
+    assert _Buckets.bucket_length(128) == 128
+    with pytest.raises(PromptTooLongError, match="129 tokens exceeds max_prefill_length=128"):
+        _Buckets.bucket_length(129)
