@@ -165,6 +165,39 @@ def stage_field_overrides(argv: Sequence[str], flag: str = "config",
     return rest, found
 
 
+def apply_overrides(config: ml_collections.ConfigDict, argv: Sequence[str],
+                    flag: str = "config") -> ml_collections.ConfigDict:
+    """A copy of `config` with a command line's `--config.a.b=v` (or `--config.a.b v`) overrides
+    applied, each value parsed as the type of the field it replaces — what the launcher's flag
+    parsing does, for a config already loaded (a benchmark's arms, a notebook's variants). A key
+    the config does not define raises ConfigOverrideError naming it and the closest valid keys; a
+    value of the wrong type raises it naming the value. Other arguments are ignored."""
+    valid = list(_all_keys(config))
+    result = ml_collections.ConfigDict(config.to_dict())
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith(f"--{flag}."):
+            continue
+        key, eq, raw = arg[len(flag) + 3:].partition("=")
+        if not eq:
+            if i >= len(args):
+                raise ConfigOverrideError(f"--{flag}.{key}: expected a value")
+            raw, i = args[i], i + 1
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=3)
+            hint = f"; did you mean {', '.join('--' + flag + '.' + c for c in close)}?" if close else ""
+            raise ConfigOverrideError(f"--{flag}.{key}: the config has no field {key!r}{hint}")
+        if isinstance(_get(result, key), ml_collections.ConfigDict):
+            raise ConfigOverrideError(f"--{flag}.{key}: {key!r} is a section; expected one of its fields")
+        section, _, field = key.rpartition(".")
+        node = _get(result, section) if section else result
+        node[field] = _parse_like(f"--{flag}.{key}", raw, node[field])
+    return result
+
+
 def apply_stage_field_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]) -> None:
     """Adds each 'stage.<name>.<field>': 'v' of `stage_field_overrides` to `config.stage.<name>`,
     parsed as the type of the base config's `<field>`; the config stays locked if it was."""

@@ -65,6 +65,28 @@ def test_misspelled_override_fails_with_clear_message(override, named):
     assert "Traceback" not in result.stderr
 
 
+def test_apply_overrides_sets_typed_values_on_a_copy_and_names_bad_ones():
+    """`config_lib.apply_overrides`: a loaded config with `--config.a.b=v` / `--config.a.b v`
+    overrides applied as the launcher's flags would (values typed like the fields they replace),
+    on a copy; a misspelt key, a section, a value of the wrong type or a missing value is named."""
+    base = config_lib.load_config(str(ROOT / "configs" / "calculator_tiny.py"))
+    config = config_lib.apply_overrides(base, [
+        "--config.rl.learning_rate=3e-4", "--config.rollout.group_size", "8", "--other=1",
+        "--config.allocation.dynamic_sampling=True", "--config.sampler.decode_options=builtin", "--config.seed=3"])
+    assert config.rl.learning_rate == 3e-4 and isinstance(config.rl.learning_rate, float)
+    assert config.rollout.group_size == 8 and config.allocation.dynamic_sampling is True
+    assert config.sampler.decode_options == "builtin" and config.seed == 3
+    assert base.rollout.group_size == 4 and base.seed == 0  # the loaded config is unchanged
+    with pytest.raises(config_lib.ConfigOverrideError, match="did you mean --config.rollout.group_size"):
+        config_lib.apply_overrides(base, ["--config.rollout.group_sise=8"])
+    with pytest.raises(config_lib.ConfigOverrideError, match="'rollout' is a section"):
+        config_lib.apply_overrides(base, ["--config.rollout=8"])
+    with pytest.raises(config_lib.ConfigOverrideError, match=r"--config.rollout.group_size='eight': expected int"):
+        config_lib.apply_overrides(base, ["--config.rollout.group_size=eight"])
+    with pytest.raises(config_lib.ConfigOverrideError, match="expected a value"):
+        config_lib.apply_overrides(base, ["--config.seed"])
+
+
 def test_launcher_reaches_eval_initial_and_names_a_bad_value(tmp_path):
     result = _run("--config", "configs/calculator_tiny.py", "--config.eval.initial=sometimes",
                   f"--config.workdir={tmp_path}")

@@ -67,10 +67,4 @@ def test_every_arm_names_config_keys_with_valid_values(arm):
     flags, spacing = ttq.ARMS[arm]
     assert spacing > 0
     config_lib.check_overrides(["--config", path, *flags])
-    config = config_lib.load_config(path)
-    for flag in flags:
-        key, raw = flag[len("--config."):].split("=", 1)
-        section, _, field = key.rpartition(".")
-        target = config_lib._get(config, section) if section else config
-        target[field] = config_lib._parse_like(key, raw, target[field])
-    build.validate_config(config)
+    build.validate_config(config_lib.apply_overrides(config_lib.load_config(path), flags))
