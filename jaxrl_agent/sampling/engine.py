@@ -777,8 +777,8 @@ def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, versi
     # values at min(p_r + i', window - 1) for some i' <= i (a row's position advances at most once a
     # step, and every row writes at its clamped position, live or not), so the strip
     # min(p_r + 0..steps-1, window - 1) covers every write; the rest of the window is the copy it
-    # was taken from. Writing back the whole window cost about as much as taking it (~0.3-0.45 ms a
-    # 4-step call of 8 rows at windows 128-256, benchmarks/RESULTS.md).
+    # was taken from. Taking the window and writing all of it back cost 0.2-0.5 ms of a ~3 ms
+    # 4-step call of 8 rows at windows 128-256, the write-back about half (benchmarks/RESULTS.md).
     written = jnp.minimum(head(state.position)[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :], window - 1)
     slot = jnp.arange(rows)[:, None]  # [rows, 1] against written [rows, steps]
     # Both index forms put the indexed axes first: the strip is [rows, steps, K, D] either way.
