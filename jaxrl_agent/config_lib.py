@@ -41,6 +41,13 @@ def _all_keys(config, prefix=""):
             yield from _all_keys(value, name + ".")
 
 
+def _did_you_mean(key: str, valid: Sequence[str], prefix: str) -> str:
+    """'; did you mean --config.a, ...?' naming the (at most three) valid keys closest to `key`,
+    each written with `prefix`; '' when none is close."""
+    close = difflib.get_close_matches(key, valid, n=3)
+    return f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+
+
 def override_keys(argv: Sequence[str], flag: str = "config") -> tuple[str | None, list[str]]:
     """(config path, ['a.b', ...]) from a command line."""
     path = None
@@ -79,10 +86,8 @@ def check_overrides(argv: Sequence[str], flag: str = "config", config=None) -> N
     for key in keys:
         if key in valid or _stage_field(config, key, flag) is not None:
             continue
-        close = difflib.get_close_matches(key, valid, n=3)
-        hint = f"; did you mean {', '.join('--' + flag + '.' + c for c in close)}?" if close else ""
         raise ConfigOverrideError(
-            f"--{flag}.{key}: {path} has no field {key!r}{hint} (valid top-level fields: "
+            f"--{flag}.{key}: {path} has no field {key!r}{_did_you_mean(key, valid, f'--{flag}.')} (valid top-level fields: "
             f"{sorted(config.keys())})"
         )
 
@@ -100,10 +105,8 @@ def _stage_field(config, key: str, flag: str = "config") -> tuple[str, str] | No
         return None  # listed: ml-collections sets it
     base = [k for k in _all_keys(config) if k.split(".")[0] not in ("stage", "stages")]
     if parts[2] in ("stage", "stages") or field not in base:
-        close = difflib.get_close_matches(field, base, n=3)
-        hint = f"; did you mean {', '.join(f'--{flag}.stage.{name}.{c}' for c in close)}?" if close else ""
         raise ConfigOverrideError(f"--{flag}.{key}: stage {name!r} overrides fields of the base config, "
-                                  f"which has no field {field!r}{hint}")
+                                  f"which has no field {field!r}{_did_you_mean(field, base, f'--{flag}.stage.{name}.')}")
     if isinstance(_get(config, field), ml_collections.ConfigDict):
         raise ConfigOverrideError(f"--{flag}.{key}: {field!r} is a section; expected one of its fields")
     return name, field
@@ -187,9 +190,8 @@ def apply_overrides(config: ml_collections.ConfigDict, argv: Sequence[str],
                 raise ConfigOverrideError(f"--{flag}.{key}: expected a value")
             raw, i = args[i], i + 1
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=3)
-            hint = f"; did you mean {', '.join('--' + flag + '.' + c for c in close)}?" if close else ""
-            raise ConfigOverrideError(f"--{flag}.{key}: the config has no field {key!r}{hint}")
+            raise ConfigOverrideError(f"--{flag}.{key}: the config has no field {key!r}"
+                                      f"{_did_you_mean(key, valid, f'--{flag}.')}")
         if isinstance(_get(result, key), ml_collections.ConfigDict):
             raise ConfigOverrideError(f"--{flag}.{key}: {key!r} is a section; expected one of its fields")
         section, _, field = key.rpartition(".")

@@ -170,34 +170,33 @@ def result_columns(steps: int) -> dict[str, tuple[int, int]]:
             "logprobs": (2 * steps + 1, 3 * steps + 1), "versions": (3 * steps + 1, 4 * steps + 1)}
 
 
-def decode_result_row(data: np.ndarray, slot: int, steps: int) -> dict[str, np.ndarray]:
-    """Host-side view of one slot's row of ResultTokens.data."""
+def _result_fields(data: np.ndarray, steps: int) -> dict[str, np.ndarray]:
+    """The columns of ResultTokens.data [slots, 4 * steps + 1] by field, every slot at once:
+    tokens, valid, logprobs (float32, bit-cast back) and versions [slots, steps]; length [slots]."""
     cols = result_columns(steps)
-    row = np.asarray(data[slot])
+    data = np.asarray(data)
     return {
-        "tokens": row[slice(*cols["tokens"])],
-        "valid": row[slice(*cols["valid"])].astype(bool),
-        "length": int(row[cols["length"][0]]),
-        "logprobs": row[slice(*cols["logprobs"])].view(np.float32),
-        "versions": row[slice(*cols["versions"])],
+        "tokens": data[:, slice(*cols["tokens"])],
+        "valid": data[:, slice(*cols["valid"])],
+        "length": data[:, cols["length"][0]],
+        "logprobs": np.ascontiguousarray(data[:, slice(*cols["logprobs"])]).view(np.float32),
+        "versions": data[:, slice(*cols["versions"])],
     }
+
+
+def decode_result_row(data: np.ndarray, slot: int, steps: int) -> dict[str, np.ndarray]:
+    """Host-side view of one slot's row of ResultTokens.data (numpy arrays, valid as bool)."""
+    row = {name: column[slot] for name, column in _result_fields(data, steps).items()}
+    return {**row, "valid": row["valid"].astype(bool), "length": int(row["length"])}
 
 
 def decode_result_lists(data: np.ndarray, steps: int) -> dict[str, list]:
     """Every slot's row of ResultTokens.data at once, as Python lists ([slot][step] for tokens,
-    valid (0/1), logprobs and versions; [slot] for length): four numpy operations a call, where
+    valid (0/1), logprobs and versions; [slot] for length): a few numpy operations a call, where
     reading each slot's row and each of its tokens as numpy scalars (`decode_result_row`) cost
     ~0.1 ms a 4-step call of 8 slots, ~1 ms at 64 — Python time the decode thread spends between
     calls. `{k: v[slot] for k, v in lists.items()}` is a row for `CompletionBuilder.add_row`."""
-    cols = result_columns(steps)
-    data = np.asarray(data)
-    return {
-        "tokens": data[:, slice(*cols["tokens"])].tolist(),
-        "valid": data[:, slice(*cols["valid"])].tolist(),
-        "length": data[:, cols["length"][0]].tolist(),
-        "logprobs": np.ascontiguousarray(data[:, slice(*cols["logprobs"])]).view(np.float32).tolist(),
-        "versions": data[:, slice(*cols["versions"])].tolist(),
-    }
+    return {name: column.tolist() for name, column in _result_fields(data, steps).items()}
 
 
 class EngineTokenizer:
