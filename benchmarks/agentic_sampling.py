@@ -48,7 +48,8 @@ from jaxrl_agent import models, tokenizer as tok  # noqa: E402
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams, host_tuning  # noqa: E402
 
 
-def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool, lanes: int = 1) -> LocalSampler:
+def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool, lanes: int = 1,
+                max_steps: int = 0) -> LocalSampler:
     """`batch` slots (and 2 x batch prefix-cache entries) in one engine, or split between `lanes`
     engines decoding in threads of their own (as `sampler.local_engines` splits them)."""
     if batch % lanes:
@@ -57,7 +58,7 @@ def our_sampler(config, params, batch: int, steps: int, prefix_cache: bool, lane
     for i in range(lanes):
         engine = AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=batch // lanes,
                              max_prefill_length=agentic_plan.CACHE_LENGTH, max_cache_length=agentic_plan.CACHE_LENGTH,
-                             steps_per_call=steps, stop_token_ids=[-1], seed=i,
+                             steps_per_call=steps, max_steps_per_call=max_steps, stop_token_ids=[-1], seed=i,
                              prefix_cache_entries=2 * batch // lanes if prefix_cache else 0)
         host_tuning.tune_engine(engine, "auto", cache_path=launcher_runs.host_choices_path())
         engines.append(engine)
@@ -100,13 +101,13 @@ def timed_engine_calls(engine) -> dict[str, list[float]]:
     return times
 
 
-def breakdown(config, params, batches, steps: int, episodes: int) -> None:
+def breakdown(config, params, batches, steps: int, episodes: int, max_steps: int = 0) -> None:
     """Per batch size: ms and calls per episode batch of each engine call of the `ours` arm, over
     `episodes` episode batches after two warm-ups, and the wall time per episode batch."""
     seeds = iter(range(1, 10**9))
     print("\n| batch | engine call | ms per episode batch | calls per episode batch | ms per call |\n|---|---|---|---|---|")
     for b in batches:
-        with our_sampler(config, params, b, steps, True) as sampler:
+        with our_sampler(config, params, b, steps, True, max_steps=max_steps) as sampler:
             play(sampler, b, next(seeds))
             play(sampler, b, next(seeds))
             times = timed_engine_calls(sampler.engine)
@@ -126,6 +127,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--episodes", type=int, default=2, help="Episode batches per arm per round.")
     parser.add_argument("--steps_per_call", type=int, default=4)
+    parser.add_argument("--max_steps_per_call", type=int, default=16,
+                        help="The most steps a call runs while no request finishes (the configs' default; "
+                             "0 = steps_per_call).")
     parser.add_argument("--breakdown", action="store_true", help="Time each engine call of ours instead (no tunix).")
     parser.add_argument("--lanes", type=int, default=1,
                         help="Our arms' slots split between this many engines, each decoding in a thread of its own.")
@@ -134,7 +138,7 @@ def main() -> None:
     params = models.init_params(config, jax.random.PRNGKey(0))
     batches = [int(b) for b in args.batches.split(",")]
     if args.breakdown:
-        return breakdown(config, params, batches, args.steps_per_call, args.episodes)
+        return breakdown(config, params, batches, args.steps_per_call, args.episodes, args.max_steps_per_call)
     arms = ["ours", "ours, no prefix cache"] + (["tunix"] if args.tunix_python else [])
     samplers, tunix = {}, {}
     results = {(b, arm): [] for b in batches for arm in arms}  # (tokens, seconds) per episode batch
@@ -142,9 +146,10 @@ def main() -> None:
     seeds = iter(range(1, 10**9))  # every episode batch has new token ids
     try:
         for b in batches:
-            samplers[b] = {"ours": our_sampler(config, params, b, args.steps_per_call, True, args.lanes),
+            samplers[b] = {"ours": our_sampler(config, params, b, args.steps_per_call, True, args.lanes,
+                                               args.max_steps_per_call),
                            "ours, no prefix cache": our_sampler(config, params, b, args.steps_per_call, False,
-                                                                args.lanes)}
+                                                                args.lanes, args.max_steps_per_call)}
             for sampler in samplers[b].values():  # compile every shape the plans meet (a first
                 play(sampler, b, next(seeds))     # episode batch fills the prefix cache, a second
                 play(sampler, b, next(seeds))     # meets it)

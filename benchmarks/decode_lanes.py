@@ -38,7 +38,7 @@ def _calls(engine, state, calls: int):
     """`calls` generate calls over every slot (restarted when the cache window fills); seconds."""
     start = time.perf_counter()
     for _ in range(calls):
-        state, result = engine.generate(None, state)
+        state, result = engine.generate(None, state, max_steps=engine.steps_per_call)
         np.asarray(result.data)
     return state, time.perf_counter() - start
 

@@ -44,14 +44,14 @@ def main() -> None:
     variants = [n for n in (8, 16, 32) if n < slots] + [None]
     for live in variants:  # compile, warm up
         for _ in range(2):
-            state, result = engine.generate(None, state, live_slots=live)
+            state, result = engine.generate(None, state, live_slots=live, max_steps=engine.steps_per_call)
             np.asarray(result.data)
     times: dict = {live: [] for live in variants}
     for _ in range(args.repeats):
         for live in variants:
             start = time.perf_counter()
             for _ in range(args.calls):
-                state, result = engine.generate(None, state, live_slots=live)
+                state, result = engine.generate(None, state, live_slots=live, max_steps=engine.steps_per_call)
                 np.asarray(result.data)
             times[live].append((time.perf_counter() - start) / args.calls)
     full = statistics.median(times[None])

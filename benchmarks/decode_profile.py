@@ -111,7 +111,7 @@ def profile(rows: int, temperature: float, options: str, calls: int) -> None:
 
     def run(n, state):
         for _ in range(n):
-            state, result = engine.generate(None, state)
+            state, result = engine.generate(None, state, max_steps=engine.steps_per_call)
             np.asarray(result.data)
         return state
 

@@ -80,9 +80,14 @@ def _cache_length(new_tokens):
     return PROMPT_LEN + new_tokens + 16  # as tunix_sampler_baseline.py sizes its cache
 
 
+# --max_steps_per_call (the engine's max_steps_per_call for every engine this script builds).
+MAX_STEPS_PER_CALL = 16
+
+
 def _engine(config, params, slots, steps, new_tokens, decode_compiler_options=None):
     return AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
-                       max_cache_length=_cache_length(new_tokens), steps_per_call=steps, stop_token_ids=[-1],
+                       max_cache_length=_cache_length(new_tokens), steps_per_call=steps,
+                       max_steps_per_call=MAX_STEPS_PER_CALL, stop_token_ids=[-1],
                        decode_compiler_options=decode_compiler_options)
 
 
@@ -128,7 +133,8 @@ def start_server(model, slots, steps, new_tokens):
     os.environ.setdefault(auth.TOKEN_ENV, auth.new_token())  # the server and this client share it
     overrides = [f"--config.model.{k}={v}" for k, v in model.items()] + [
         f"--config.sampler.max_concurrent_decodes={slots}", "--config.sampler.max_prefill_length=16",
-        f"--config.sampler.max_cache_length={_cache_length(new_tokens)}", f"--config.sampler.steps_per_call={steps}"]
+        f"--config.sampler.max_cache_length={_cache_length(new_tokens)}", f"--config.sampler.steps_per_call={steps}",
+        f"--config.sampler.max_steps_per_call={MAX_STEPS_PER_CALL}"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "sampler_server.py"), "--config",
                              os.path.join(ROOT, "configs", "calculator_tiny.py"), "--port", "0"] + overrides,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
@@ -150,7 +156,7 @@ def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=
         start = time.perf_counter()
         state = jax.block_until_ready(engine.prefill_insert_many(prompts, [sampling] * 8, fresh, list(range(8))))
         middle = time.perf_counter()
-        state, result = engine.generate(None, state)
+        state, result = engine.generate(None, state, max_steps=engine.steps_per_call)
         np.asarray(result.data)
         if i >= 2:
             prefill.append(middle - start)
@@ -199,7 +205,7 @@ def compare_decode_options(config, params, slots: int, steps: int, new_tokens: i
         state = engine.init_decode_state()
         state = state.replace(active=jnp.ones_like(state.active))  # every slot decodes (greedy, no stop)
         for _ in range(3):
-            state, result = engine.generate(None, state)
+            state, result = engine.generate(None, state, max_steps=engine.steps_per_call)
             np.asarray(result.data)
         running[name] = [engine, state]
     times = {name: [] for name in variants}
@@ -207,7 +213,7 @@ def compare_decode_options(config, params, slots: int, steps: int, new_tokens: i
         for name, entry in running.items():
             start = time.perf_counter()
             for _ in range(3):
-                entry[1], result = entry[0].generate(None, entry[1])
+                entry[1], result = entry[0].generate(None, entry[1], max_steps=steps)
                 np.asarray(result.data)
             times[name].append((time.perf_counter() - start) / (3 * steps) * 1e3)
     return {name: statistics.median(ts) for name, ts in times.items()}
@@ -221,6 +227,9 @@ def main():
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps_per_call", type=int, default=4)
+    parser.add_argument("--max_steps_per_call", type=int, default=16,
+                        help="The most steps a call runs while no request finishes (the configs' default; "
+                             "0 = steps_per_call).")
     parser.add_argument("--skip_server", action="store_true")
     parser.add_argument("--breakdown", action="store_true",
                         help="Only time the 8-slot engine's batched prefill and one generate call, then exit.")
@@ -239,6 +248,8 @@ def main():
     parser.add_argument("--peak_gbs", type=float, default=0.0,
                         help="Memory bandwidth in GB/s: also print the in-process engine against the decode roofline.")
     args = parser.parse_args()
+    global MAX_STEPS_PER_CALL
+    MAX_STEPS_PER_CALL = args.max_steps_per_call
     if args.tunix_python and (args.model != "tiny" or args.dtype != "float32"):
         parser.error("--tunix_python compares the tiny float32 shape only (tunix_sampler_baseline.py builds that one)")
     model = dict(MODELS[args.model], param_dtype=args.dtype, dtype=args.dtype)

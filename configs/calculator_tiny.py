@@ -90,6 +90,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler.max_prefill_length = 128  # Longest prompt in tokens (power of two); longer ones are rejected.
     config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
     config.sampler.steps_per_call = 4  # Decode steps per generate call (amortises dispatch overhead).
+    # The most decode steps a call runs while none of its requests finishes (a stop token, a full
+    # cache, or the first request's max_tokens): fewer calls when every request runs on, none
+    # longer when one ends (0 = steps_per_call: every call runs steps_per_call steps).
+    config.sampler.max_steps_per_call = 16
     # In-process sampler: engines, each decoding in a thread of its own, the slots and prefix-cache
     # entries split evenly between them (an episode's turns stay on one). On CPU a decode loop runs
     # on one core, so 2 uses both of a 2-core host; 1 = one engine with every slot; 0 = auto: 2 on

@@ -179,7 +179,7 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
         max_concurrent_decodes=config.sampler.max_concurrent_decodes if slots is None else slots,
         max_prefill_length=config.sampler.max_prefill_length,
         max_cache_length=config.sampler.max_cache_length,
-        steps_per_call=config.sampler.steps_per_call,
+        steps_per_call=config.sampler.steps_per_call, max_steps_per_call=config.sampler.max_steps_per_call,
         prefix_cache_entries=config.sampler.prefix_cache_entries if cache_entries is None else cache_entries,
         version=version, seed=config.seed if seed is None else seed,
     )
@@ -892,7 +892,9 @@ def build_judge(config, model_config: models.ModelConfig, params, tok: tokenizer
     prefill = 1 << (cache - c.judge_max_tokens).bit_length() - 1
     engine = AgentEngine(model_config, params, tok, max_concurrent_decodes=config.sampler.max_concurrent_decodes,
                          max_prefill_length=prefill, max_cache_length=prefill + c.judge_max_tokens,
-                         steps_per_call=config.sampler.steps_per_call, prefix_cache_entries=0, seed=config.seed + 7)
+                         steps_per_call=config.sampler.steps_per_call,
+                         max_steps_per_call=config.sampler.max_steps_per_call, prefix_cache_entries=0,
+                         seed=config.seed + 7)
     host_tuning.tune_engine(engine, config.sampler.decode_options,
                             cache_path=host_tuning.host_choices_path(config.get("compilation_cache_dir", "")))
     rubric = tuple(item.strip() for item in c.judge_rubric.split(";") if item.strip()) or rewards.judge.DEFAULT_RUBRIC

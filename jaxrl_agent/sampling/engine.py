@@ -166,21 +166,30 @@ class DecodeState(flax.struct.PyTreeNode):
 
 
 def result_columns(steps: int) -> dict[str, tuple[int, int]]:
+    """Column ranges of ResultTokens.data [slots, 4 * steps + 2] of a decode loop compiled for at
+    most `steps` steps a call; "ran" (the last column, the same in every row) is how many it ran."""
     return {"tokens": (0, steps), "valid": (steps, 2 * steps), "length": (2 * steps, 2 * steps + 1),
-            "logprobs": (2 * steps + 1, 3 * steps + 1), "versions": (3 * steps + 1, 4 * steps + 1)}
+            "logprobs": (2 * steps + 1, 3 * steps + 1), "versions": (3 * steps + 1, 4 * steps + 1),
+            "ran": (4 * steps + 1, 4 * steps + 2)}
 
 
 def _result_fields(data: np.ndarray, steps: int) -> dict[str, np.ndarray]:
-    """The columns of ResultTokens.data [slots, 4 * steps + 1] by field, every slot at once:
-    tokens, valid, logprobs (float32, bit-cast back) and versions [slots, steps]; length [slots]."""
+    """The columns of ResultTokens.data [slots, 4 * steps + 2] by field, every slot at once, for the
+    n steps the call ran (its "ran" column): tokens, valid, logprobs (float32, bit-cast back) and
+    versions [slots, n]; length [slots]. Steps a call did not run are not rows' tokens."""
     cols = result_columns(steps)
     data = np.asarray(data)
+    if data.shape[-1] != cols["ran"][1]:
+        raise ValueError(f"expected decode results of {cols['ran'][1]} columns ({steps} steps a call), "
+                         f"got {data.shape[-1]}")
+    ran = int(data[0, cols["ran"][0]]) if len(data) else steps
+    field = lambda name: data[:, cols[name][0]:cols[name][0] + ran]
     return {
-        "tokens": data[:, slice(*cols["tokens"])],
-        "valid": data[:, slice(*cols["valid"])],
+        "tokens": field("tokens"),
+        "valid": field("valid"),
         "length": data[:, cols["length"][0]],
-        "logprobs": np.ascontiguousarray(data[:, slice(*cols["logprobs"])]).view(np.float32),
-        "versions": data[:, slice(*cols["versions"])],
+        "logprobs": np.ascontiguousarray(field("logprobs")).view(np.float32),
+        "versions": field("versions"),
     }
 
 
@@ -239,7 +248,14 @@ class AgentEngine(engine_api.Engine):
       max_concurrent_decodes: KV-cache slots B.
       max_prefill_length: longest prompt, a power of two (prompts are padded to `prefill_bucket`s).
       max_cache_length: tokens per slot (prompt + generation); defaults to 2 * max_prefill_length.
-      steps_per_call: decode steps per `generate` call (amortises per-call overhead).
+      steps_per_call: decode steps per `generate` call (amortises per-call overhead): the fewest a
+        call runs.
+      max_steps_per_call: the most decode steps a `generate` call runs (0 = steps_per_call: every
+        call runs steps_per_call). A call runs on past steps_per_call while no request has finished
+        in it (a stop token or a full cache, seen on the device; `generate`'s `max_steps` bounds it
+        by the requests' token limits, which the host knows): a decode whose requests all run on
+        pays the per-call cost (dispatch, the window copy, the host's turn between calls) once per
+        max_steps_per_call tokens, and one whose request finishes returns at once, its slot free.
       stop_token_ids: ids that end a sample (default: the tokenizer's eos).
       version: policy version of `params`.
       prefix_cache_entries: M, finished sequences whose keys/values are kept (in the decode
@@ -253,6 +269,7 @@ class AgentEngine(engine_api.Engine):
 
     def __init__(self, config: models.ModelConfig, params, tokenizer, *, max_concurrent_decodes: int = 8,
                  max_prefill_length: int = 256, max_cache_length: int | None = None, steps_per_call: int = 4,
+                 max_steps_per_call: int = 0,
                  stop_token_ids: Sequence[int] | None = None, version: int = 0, seed: int = 0,
                  mesh: jax.sharding.Mesh | None = None, prefix_cache_entries: int = 0,
                  decode_compiler_options: dict[str, Any] | None = None):
@@ -265,7 +282,13 @@ class AgentEngine(engine_api.Engine):
         self.max_cache_length = max_cache_length or 2 * max_prefill_length
         if self.max_cache_length < max_prefill_length:
             raise ValueError("max_cache_length must be >= max_prefill_length")
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        if max_steps_per_call and max_steps_per_call < steps_per_call:
+            raise ValueError(f"max_steps_per_call must be 0 or >= steps_per_call={steps_per_call}, "
+                             f"got {max_steps_per_call}")
         self.steps_per_call = steps_per_call
+        self.max_steps_per_call = max_steps_per_call or steps_per_call
         self.stop_token_ids = tuple(stop_token_ids if stop_token_ids is not None else (tokenizer.eos_id,))
         # This process's first device: with several processes (jax.distributed) each samples on its own.
         self._mesh = mesh or jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), ("data",))
@@ -294,7 +317,7 @@ class AgentEngine(engine_api.Engine):
         self._base_key = jax.random.PRNGKey(seed)
         self._prefill_fn, self._prefill_insert_fn, self._extend_insert_fn = _admission_fns(config)
         self._insert_fn, self._free_fn, self._save_fn = _INSERT_FN, _FREE_FN, _SAVE_FN
-        self._generate_key = (config, steps_per_call, self.stop_token_ids)
+        self._generate_key = (config, steps_per_call, self.max_steps_per_call, self.stop_token_ids)
         if decode_compiler_options is None:
             decode_compiler_options = tuple(DECODE_OPTION_SETS[name] for name in BUILTIN_DECODE_OPTIONS)
         elif isinstance(decode_compiler_options, dict):
@@ -322,11 +345,13 @@ class AgentEngine(engine_api.Engine):
         state = self.init_decode_state()
         state = state.replace(active=jnp.ones_like(state.active))
         window = self.max_cache_length
-        state, data = fn(params, kernel, state, np.int32(version), rows=rows, window=window)  # compile + warm up
+        # Every call runs steps_per_call steps exactly (its bound), whatever the scratch rows sample.
+        steps = np.int32(self.steps_per_call)
+        state, data = fn(params, kernel, state, np.int32(version), steps, rows=rows, window=window)  # compile + warm up
         jax.block_until_ready(data)
         start = time.perf_counter()
         for _ in range(calls):
-            state, data = fn(params, kernel, state, np.int32(version), rows=rows, window=window)
+            state, data = fn(params, kernel, state, np.int32(version), steps, rows=rows, window=window)
         jax.block_until_ready(data)
         return (time.perf_counter() - start) / (calls * self.steps_per_call)
 
@@ -532,9 +557,25 @@ class AgentEngine(engine_api.Engine):
         end = None if live_length is None else live_length + self.steps_per_call
         return _cache_window(self.max_cache_length, end, MIN_DECODE_WINDOW)
 
+    def call_steps(self, live_length: int | None = None, max_steps: int | None = None) -> int:
+        """The most decode steps a `generate` call with these arguments runs: `max_steps` (None =
+        max_steps_per_call) within [steps_per_call, max_steps_per_call], and no more than fit in
+        the call's cache window (`decode_window(live_length)`; the window is chosen for
+        steps_per_call steps, and a longer call never widens it)."""
+        steps = self.max_steps_per_call if max_steps is None else min(int(max_steps), self.max_steps_per_call)
+        steps = max(steps, self.steps_per_call)
+        if live_length is not None:
+            window = self.decode_window(live_length)
+            if window < self.max_cache_length:
+                steps = max(self.steps_per_call, min(steps, window - live_length))
+        return steps
+
     def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None,
-                 live_length: int | None = None):
-        """`steps_per_call` decode steps. With `live_slots` (every slot holding a request lies below
+                 live_length: int | None = None, max_steps: int | None = None):
+        """Decode steps: `steps_per_call` of them, then more while no request finished in the call,
+        up to `call_steps(live_length, max_steps)` — the host passes as `max_steps` the fewest
+        tokens any live request may still emit (its max_tokens), which the device does not know.
+        The result's "ran" column (`result_columns`) says how many steps ran. With `live_slots` (every slot holding a request lies below
         it; the caller allocates the lowest free slot first), only the first `decode_rows(live_slots)`
         slots are decoded: a step's cost is per slot decoded — the keys/values it reads, the rows of
         its matmuls, the sampling — not per live request, and most of an iteration's tail, an
@@ -550,9 +591,10 @@ class AgentEngine(engine_api.Engine):
             params, kernel, version = self._params, self._kernel, self._version
         rows = self.decode_rows(live_slots)
         generate = self._generate_small_fn if rows <= SMALL_DECODE_ROWS else self._generate_fn
-        state, data = generate(params, kernel, decode_state, np.int32(version), rows=rows,
+        state, data = generate(params, kernel, decode_state, np.int32(version),
+                               np.int32(self.call_steps(live_length, max_steps)), rows=rows,
                                window=self.decode_window(live_length))
-        k = self.steps_per_call
+        k = self.max_steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                          length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
         return state, result
@@ -623,10 +665,11 @@ def _admission_fns(config: models.ModelConfig) -> tuple[Callable, Callable, Call
 
 
 @functools.cache
-def _decode_fn(config: models.ModelConfig, steps: int, stop_ids: tuple[int, ...],
+def _decode_fn(config: models.ModelConfig, min_steps: int, max_steps: int, stop_ids: tuple[int, ...],
                options: tuple[tuple[str, Any], ...]) -> Callable:
     """The jitted decode loop (`_generate`) of a model and decode shape under XLA:CPU `options`."""
-    return jax.jit(functools.partial(_generate, config, steps, np.asarray(stop_ids, np.int32)), donate_argnums=(2,),
+    return jax.jit(functools.partial(_generate, config, min_steps, max_steps, np.asarray(stop_ids, np.int32)),
+                   donate_argnums=(2,),
                    static_argnames=("rows", "window"), compiler_options=cpu_compiler_options(dict(options)))
 
 
@@ -725,12 +768,17 @@ _FREE_FN = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask
 _SAVE_FN = jax.jit(_save_prefixes, donate_argnums=(0,), static_argnames=("window",))
 
 
-def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, version, rows: int, window: int):
-    """`steps` decode steps over the first `rows` slots (static), attending over the first `window`
-    cache positions (static; every active slot's positions in this call must lie below it); the
-    other slots and positions are left as they are. params: the engine's weights, layers unstacked
-    (see `AgentEngine.__init__`); kernel: the output projection [H, V], or None to derive it from
-    params in the loop."""
+def _generate(config, min_steps, max_steps, stop_ids, params, kernel, state: DecodeState, version, bound,
+              rows: int, window: int):
+    """Decode steps over the first `rows` slots (static), attending over the first `window` cache
+    positions (static; every active slot's positions in this call must lie below it); the other
+    slots and positions are left as they are. The call runs n steps: `min_steps`, then on while no
+    slot active at the call's start has stopped (a stop token emitted, or its window full), up to
+    `bound` ([] int32, clipped to [min_steps, max_steps]); n is the result's last column, and its
+    other columns hold max_steps steps, the first n of them run. params: the engine's weights,
+    layers unstacked (see `AgentEngine.__init__`); kernel: the output projection [H, V], or None to
+    derive it from params in the loop."""
+    steps = max_steps
     b, full = state.next_token.shape[0], state.cache.max_length
     max_len = window
     per_slot = ("next_token", "next_logprob", "next_version", "position", "generated", "active", "temperature",
@@ -763,11 +811,31 @@ def _generate(config, steps, stop_ids, params, kernel, state: DecodeState, versi
         )
         return new_state, emit
 
-    sub, (tokens, logprobs, versions, valid) = jax.lax.scan(step, sub, None, length=steps)
-    # [steps, rows] -> [rows, 4 * steps + 1] int32
+    if min_steps == max_steps:
+        sub, (tokens, logprobs, versions, valid) = jax.lax.scan(step, sub, None, length=steps)
+        ran = jnp.int32(steps)
+    else:
+        bound = jnp.clip(bound, min_steps, max_steps)
+        started = sub.active
+
+        def go_on(carry):
+            i, s, _ = carry
+            stopped = jnp.any(started & ~s.active)
+            return (i < bound) & ((i < min_steps) | ~stopped)
+
+        def one_step(carry):
+            i, s, outs = carry
+            s, emitted = step(s, None)
+            return i + 1, s, tuple(jax.lax.dynamic_update_index_in_dim(o, e, i, 0) for o, e in zip(outs, emitted))
+
+        outs = tuple(jnp.zeros((steps,) + e.shape, e.dtype)
+                     for e in (sub.next_token, sub.next_logprob, sub.next_version, sub.active))
+        ran, sub, (tokens, logprobs, versions, valid) = jax.lax.while_loop(go_on, one_step, (jnp.int32(0), sub, outs))
+    # [steps, rows] -> [rows, 4 * steps + 2] int32 (`result_columns`)
     data = jnp.concatenate([
         tokens.T, valid.T.astype(jnp.int32), sub.generated[:, None],
         jax.lax.bitcast_convert_type(logprobs.T.astype(jnp.float32), jnp.int32), versions.T,
+        jnp.broadcast_to(ran, (tokens.shape[1], 1)),
     ], axis=1).astype(jnp.int32)
     if rows == b and window == full:
         return sub, data

@@ -158,7 +158,7 @@ def host_key(engine) -> str:
         _cpu_model(), f"{cores} cores", jax.default_backend(), jax.local_devices()[0].device_kind,
         f"jaxlib {jaxlib.__version__}", f"L{c.num_layers} d{c.hidden_size} h{c.num_heads}/{c.num_kv_heads}x{c.head_dim}"
         f" mlp{c.intermediate_size} v{c.vocab_size} {c.dtype}", f"slots {engine.max_concurrent_decodes}",
-        f"cache {engine.max_cache_length}", f"steps {engine.steps_per_call}"))
+        f"cache {engine.max_cache_length}", f"steps {engine.steps_per_call}-{engine.max_steps_per_call}"))
 
 
 def host_choices_path(compilation_cache_dir: str | None) -> str | None:

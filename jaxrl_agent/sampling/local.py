@@ -312,7 +312,11 @@ class _Lane:
                 # The next token of every live request lies below this position (its prompt and
                 # the tokens emitted so far): the call attends over a cache window that holds them.
                 length = max(len(r.prompt) + len(r.builder.tokens) for r in slots.values())
-                state, result = engine.generate(None, state, live_slots=live, live_length=length)
+                # The call may run on until a request finishes: at most until the first one reaches
+                # its max_tokens (the device sees stop tokens, not token limits).
+                remaining = min(r.builder.max_tokens - len(r.builder.tokens) for r in slots.values())
+                state, result = engine.generate(None, state, live_slots=live, live_length=length,
+                                                max_steps=remaining)
                 data = np.asarray(result.data)
                 self.stats["decode_seconds"] += time.perf_counter() - decode_started
                 self.stats["live_slots"] += len(slots)
@@ -327,7 +331,7 @@ class _Lane:
                 continue
             self.stats["generate_calls"] += 1
             finished = []
-            columns = decode_result_lists(data[:live], engine.steps_per_call)
+            columns = decode_result_lists(data[:live], engine.max_steps_per_call)
             for slot in list(slots):
                 request = slots[slot]
                 tokens, _, _ = request.builder.add_row({name: rows[slot] for name, rows in columns.items()})

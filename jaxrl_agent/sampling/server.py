@@ -59,6 +59,11 @@ class DetailedRequest(orchestrator.ActiveRequest):
     error: str | None = None
 
 
+def _max_tokens(request) -> int:
+    """The most tokens a request may emit: our service's sampling parameters, or stock JetStream's."""
+    return request.sampling.max_tokens if isinstance(request, DetailedRequest) else request.max_tokens
+
+
 @dataclasses.dataclass
 class TokenChunk:
     token_ids: list[int]
@@ -152,10 +157,14 @@ class SamplerDriver(orchestrator.Driver):
         index = PrefixIndex(engine.prefix_cache_entries)
         step = 0
         live: set[int] = set()  # slots holding a request (or finished, not yet handed back)
-        # Per live slot, a position its next token cannot pass: the prompt's length, plus
-        # steps_per_call for every call since (a slot advances at most that much per call, whatever
-        # the detokenize thread has seen yet): the call's cache window (engine.decode_window).
+        # Per live slot, a position its next token cannot pass: the prompt's length, plus the most
+        # steps of every call since (a slot advances at most that much per call, whatever the
+        # detokenize thread has seen yet): the call's cache window (engine.decode_window).
         reach: dict[int, int] = {}
+        # Per live slot, the position at which its request has emitted max_tokens for certain (the
+        # prompt's length + max_tokens): calls run on past steps_per_call at most until the
+        # nearest of these among the requests not yet past theirs (engine.call_steps).
+        limit: dict[int, int] = {}
         while self.live:
             free = []
             while True:
@@ -166,6 +175,7 @@ class SamplerDriver(orchestrator.Driver):
             live.difference_update(free)
             for slot in free:
                 reach.pop(slot, None)
+                limit.pop(slot, None)
             # Lowest slots first (popped from the end): live requests stay packed at the front, and
             # a generate call decodes only as many slots as the highest live one needs.
             free.sort(reverse=True)
@@ -214,6 +224,7 @@ class SamplerDriver(orchestrator.Driver):
                     detokenize.put((slot, request), block=True)
                     live.add(slot)
                     reach[slot] = len(request.prompt_ids)
+                    limit[slot] = len(request.prompt_ids) + max(1, _max_tokens(request))
                     idle = False
                 self.stats["admit_seconds"] += time.perf_counter() - admit_started
             for slot in free:
@@ -225,10 +236,14 @@ class SamplerDriver(orchestrator.Driver):
                 if not self.live:
                     return
             live_slots = max(live) + 1 if live else None
+            live_length = max((reach[s] for s in live), default=None)
+            # The fewest tokens a request still running may yet emit (reach bounds what it has).
+            remaining = min((limit[s] - reach[s] for s in live if limit[s] > reach[s]), default=None)
+            steps = engine.call_steps(live_length, remaining)
             decode_state, result = engine.generate(None, decode_state, live_slots=live_slots,
-                                                   live_length=max((reach[s] for s in live), default=None))
+                                                   live_length=live_length, max_steps=steps)
             for slot in live:
-                reach[slot] += engine.steps_per_call
+                reach[slot] += steps
             result.copy_to_host_async()
             self.stats["decode_seconds"] += time.perf_counter() - decode_started
             self.stats["generate_calls"] += 1
@@ -252,11 +267,10 @@ class SamplerDriver(orchestrator.Driver):
                 break
             if not isinstance(item[1], engine_api.ResultTokens):
                 slot, request = item
-                max_tokens = request.sampling.max_tokens if isinstance(request, DetailedRequest) else request.max_tokens
-                live[slot] = (request, CompletionBuilder(max(1, max_tokens), stop_ids))
+                live[slot] = (request, CompletionBuilder(max(1, _max_tokens(request)), stop_ids))
                 continue
             try:
-                columns = decode_result_lists(item[1].data, engine.steps_per_call)
+                columns = decode_result_lists(item[1].data, engine.max_steps_per_call)
                 for slot in list(live):
                     request, builder = live[slot]
                     tokens, logprobs, versions = builder.add_row({name: rows[slot] for name, rows in columns.items()})

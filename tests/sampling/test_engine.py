@@ -601,3 +601,76 @@ def test_weight_messages_reassemble_bit_exactly_and_bad_streams_are_named():
             for message in broken:
                 assembly.add(message)
             assembly.result()
+
+
+def test_a_call_runs_on_until_a_request_stops_or_its_bound():
+    """With max_steps_per_call, a call runs steps_per_call steps, then on while no request active at
+    its start has stopped, up to its bound: it ends with the step that emits a stop token (the
+    result's "ran" column), its rows' tokens those of argmax decoding; `max_steps` bounds it within
+    [steps_per_call, max_steps_per_call]; a cache window it would outgrow shortens it."""
+    prompts = [TOKENIZER.encode(p) for p in PROMPTS[:2]]
+    refs = [_greedy_reference(p, 14)[0] for p in prompts]
+    k = next(k for k in range(4, 10) if refs[0][k] not in refs[0][:k] and refs[0][k] not in refs[1][:12])
+    greedy = [SamplingParams(temperature=0.0)] * 2
+
+    def one_call(engine, **kwargs):
+        state = engine.prefill_insert_many([np.asarray(p, np.int32) for p in prompts], greedy,
+                                           engine.init_decode_state(), [0, 1])
+        data = np.asarray(engine.generate(None, state, **kwargs)[1].data)
+        assert data.shape[1] == 4 * engine.max_steps_per_call + 2
+        return data, decode_result_lists(data, engine.max_steps_per_call)
+
+    stopping = _engine(steps_per_call=3, max_steps_per_call=12, stop_token_ids=[refs[0][k]])
+    data, columns = one_call(stopping)
+    assert data[0, -1] == k + 1  # ran through the step that emitted slot 0's stop token, no further
+    assert columns["tokens"][0] == refs[0][:k + 1] and columns["tokens"][1] == refs[1][:k + 1]
+    assert columns["valid"][0] == [1] * (k + 1)
+    running = _engine(steps_per_call=3, max_steps_per_call=12)
+    for bound, ran in ((None, 12), (100, 12), (5, 5), (1, 3)):
+        data, columns = one_call(running, max_steps=bound)
+        assert data[0, -1] == ran and columns["tokens"][1] == refs[1][:ran], bound
+    fixed = _engine(steps_per_call=3)  # max_steps_per_call 0: every call runs steps_per_call steps
+    assert fixed.max_steps_per_call == 3 and one_call(fixed, max_steps=12)[0][0, -1] == 3
+    windowed = _engine(steps_per_call=3, max_steps_per_call=12, max_prefill_length=128, max_cache_length=256)
+    # Windows of 64 / 128 positions (decode_window): a call never runs past its window's end.
+    assert [windowed.call_steps(n) for n in (None, 50, 57, 60, 62)] == [12, 12, 7, 4, 12]
+    assert windowed.call_steps(50, max_steps=6) == 6
+    with pytest.raises(ValueError, match="max_steps_per_call must be 0 or >= steps_per_call=3, got 2"):
+        _engine(steps_per_call=3, max_steps_per_call=2)
+
+
+@pytest.mark.parametrize("max_steps", [0, 16])
+def test_requests_that_stop_and_run_out_decode_exactly_with_calls_that_run_on(max_steps):
+    """Requests of different prompt lengths, token limits and a stop token through a sampler whose
+    calls run on until a request finishes (max_steps_per_call 16; 0 = fixed 3-step calls), in the
+    64-position window of a 256-position cache (calls shortened at its end): every completion
+    equals argmax decoding up to its stop token or limit, and running on takes fewer calls."""
+    rng = np.random.RandomState(5)
+    requests = [(rng.randint(3, TOKENIZER.vocab_size, length).tolist(), n)
+                for length, n in ((5, 30), (20, 7), (30, 30), (12, 2), (25, 19), (8, 50))]  # within PAD_TO
+    refs = [_greedy_reference(p, n)[0] for p, n in requests]
+    stop = next(t for t in refs[2][3:] if all(t not in r[:10] for r in refs[:2] + refs[3:]))
+    engine = _engine(max_concurrent_decodes=4, max_prefill_length=128, max_cache_length=256, steps_per_call=3,
+                     max_steps_per_call=max_steps, stop_token_ids=[stop])
+    with LocalSampler(engine) as sampler:
+        futures = [sampler.submit(p, SamplingParams(temperature=0.0, max_tokens=n)) for p, n in requests]
+        completions = [f.result() for f in futures]
+        calls = sampler.stats["generate_calls"]
+    for (prompt, n), ref, completion in zip(requests, refs, completions):
+        end = ref.index(stop) + 1 if stop in ref else n
+        assert list(completion.token_ids) == ref[:end]
+        assert completion.finish_reason == ("stop" if stop in ref else "length")
+        np.testing.assert_allclose(completion.logprobs, _greedy_reference(prompt, end)[1], atol=1e-5)
+    assert completions[2].finish_reason == "stop"
+    if max_steps:  # against what the same requests take in 3-step calls
+        fixed_calls = _calls_of_fixed_steps(requests, stop)
+        assert calls < fixed_calls * 0.6, (calls, fixed_calls)
+
+
+def _calls_of_fixed_steps(requests, stop) -> int:
+    engine = _engine(max_concurrent_decodes=4, max_prefill_length=128, max_cache_length=256, steps_per_call=3,
+                     stop_token_ids=[stop])
+    with LocalSampler(engine) as sampler:
+        for f in [sampler.submit(p, SamplingParams(temperature=0.0, max_tokens=n)) for p, n in requests]:
+            f.result()
+        return sampler.stats["generate_calls"]
