@@ -575,9 +575,10 @@ class AgentEngine(engine_api.Engine):
         """Decode steps: `steps_per_call` of them, then more while no request finished in the call,
         up to `call_steps(live_length, max_steps)` — the host passes as `max_steps` the fewest
         tokens any live request may still emit (its max_tokens), which the device does not know.
-        The result's "ran" column (`result_columns`) says how many steps ran. With `live_slots` (every slot holding a request lies below
-        it; the caller allocates the lowest free slot first), only the first `decode_rows(live_slots)`
-        slots are decoded: a step's cost is per slot decoded — the keys/values it reads, the rows of
+        The result's "ran" column (`result_columns`) says how many steps ran.
+
+        With `live_slots` (every slot holding a request lies below it; the caller allocates the
+        lowest free slot first), only the first `decode_rows(live_slots)` slots are decoded: a step's cost is per slot decoded — the keys/values it reads, the rows of
         its matmuls, the sampling — not per live request, and most of an iteration's tail, an
         evaluation's end or an asynchronous run's waits on tools have few slots live. The other
         slots' rows of the result are zero (not valid).
