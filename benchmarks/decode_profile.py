@@ -125,7 +125,7 @@ def profile(rows: int, temperature: float, options: str, calls: int) -> None:
     with engine._lock:
         weights, kernel, version = engine._params, engine._kernel, engine._version
     fn = engine._generate_small_fn if rows <= engine_lib.SMALL_DECODE_ROWS else engine._generate_fn
-    hlo = fn.lower(weights, kernel, state, np.int32(version), rows=rows,
+    hlo = fn.lower(weights, kernel, state, np.int32(version), np.int32(engine.steps_per_call), rows=rows,
                    window=engine.decode_window(None)).compile().as_text()
     names = op_names(hlo)
     with tempfile.TemporaryDirectory() as trace_dir:
