@@ -159,6 +159,8 @@ def test_result_lists_read_every_slot_as_its_row_does():
         np.testing.assert_array_equal(np.asarray(columns["logprobs"][slot], np.float32), row["logprobs"])
     assert columns["valid"][2] == [0, 0, 0] and all(columns["valid"][0])  # slot 2 is empty
     assert set(columns["versions"][1][1:]) == {5}  # sampled after the update
+    with pytest.raises(ValueError, match=r"expected decode results of 22 columns \(5 steps a call\), got 14"):
+        decode_result_lists(data, 5)  # read as another decode shape's results
 
 
 def test_weight_update_takes_effect_and_versions_are_recorded():
