@@ -470,7 +470,9 @@ def test_distillation_from_the_config_distils_against_the_weights_rl_starts_from
     config.rl.distill_coef = 0.5
     config.rl.teacher = _saved_like_the_policy(config, tmp_path / "teacher", seed=13)
     (folder,) = [r for r in _records(trainer.train_and_evaluate(config, quiet=True)) if r["stage"] == "rl"]
-    assert folder["distill/kl_k3"] > 1e-2
+    # Two random initialisations differ by ~1e-2 nats a token here (0.0099 to over 0.01 by the episodes
+    # sampled, whose timing varies): well above the < 1e-3 of the policy's own starting weights.
+    assert folder["distill/kl_k3"] > 3e-3
     config.rl.teacher = str(tmp_path / "missing")
     with pytest.raises(build.ConfigError, match="rl.teacher=.*expected 'initial' or a Hugging Face model folder"):
         build.validate_config(config)
