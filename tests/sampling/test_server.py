@@ -153,7 +153,7 @@ def test_stock_jetstream_decode_and_our_client_give_greedy_tokens_concurrently(s
 
 def test_a_long_generation_crosses_the_decode_windows_exactly(servers):
     """The server's calls attend over cache windows of 64, then 128, then all 256 positions as a
-    request grows (its bound: the prompt plus steps_per_call per call): the tokens stay greedy's."""
+    request grows (its bound: the prompt plus the most steps of every call since): the tokens stay greedy's."""
     prompt = TOKENIZER.encode(PROMPTS[0])
 
     async def run():
