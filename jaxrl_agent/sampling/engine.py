@@ -578,10 +578,11 @@ class AgentEngine(engine_api.Engine):
         The result's "ran" column (`result_columns`) says how many steps ran.
 
         With `live_slots` (every slot holding a request lies below it; the caller allocates the
-        lowest free slot first), only the first `decode_rows(live_slots)` slots are decoded: a step's cost is per slot decoded — the keys/values it reads, the rows of
-        its matmuls, the sampling — not per live request, and most of an iteration's tail, an
-        evaluation's end or an asynchronous run's waits on tools have few slots live. The other
-        slots' rows of the result are zero (not valid).
+        lowest free slot first), only the first `decode_rows(live_slots)` slots are decoded: a
+        step's cost is per slot decoded — the keys/values it reads, the rows of its matmuls, the
+        sampling — not per live request, and most of an iteration's tail, an evaluation's end or an
+        asynchronous run's waits on tools have few slots live. The other slots' rows of the result
+        are zero (not valid).
 
         With `live_length` (every live request's next token — prompt length plus tokens emitted —
         lies below that position), the steps attend over the first `decode_window(live_length)`
