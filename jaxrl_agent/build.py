@@ -692,6 +692,10 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"sampler.max_concurrent_decodes={config.sampler.max_concurrent_decodes} and "
          f"sampler.prefix_cache_entries={config.sampler.prefix_cache_entries} (each engine takes an equal share of "
          "both)")
+    fewest, most = config.sampler.steps_per_call, config.sampler.get("max_steps_per_call", 0)
+    need(fewest >= 1, f"sampler.steps_per_call={fewest}: expected >= 1 (decode steps a generate call runs)")
+    need(most == 0 or most >= fewest, f"sampler.max_steps_per_call={most}: expected 0 (= steps_per_call) or "
+         f">= sampler.steps_per_call={fewest} (the most steps a call runs while none of its requests finishes)")
     need(config.sampler.pipeline_depth >= 1, f"sampler.pipeline_depth={config.sampler.pipeline_depth}: expected "
          ">= 1 (generate calls a sampler server dispatches ahead of its detokenize thread)")
     need(config.invariants.drift_every >= 0,

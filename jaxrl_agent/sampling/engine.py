@@ -566,8 +566,8 @@ class AgentEngine(engine_api.Engine):
         steps = max(steps, self.steps_per_call)
         if live_length is not None:
             window = self.decode_window(live_length)
-            if window < self.max_cache_length:
-                steps = max(self.steps_per_call, min(steps, window - live_length))
+            if window < self.max_cache_length:  # a window holds live_length + steps_per_call at least
+                steps = min(steps, window - live_length)
         return steps
 
     def generate(self, params, decode_state: DecodeState, *, live_slots: int | None = None,

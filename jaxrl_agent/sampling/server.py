@@ -240,7 +240,8 @@ class SamplerDriver(orchestrator.Driver):
             # The fewest tokens a request still running may yet emit (reach bounds what it has);
             # when every live request has run out (finished, its slot not yet handed back), the
             # fewest steps a call runs.
-            remaining = min((limit[s] - reach[s] for s in live if limit[s] > reach[s]), default=engine.steps_per_call)
+            remaining = min((limit[s] - reach[s] for s in live if limit[s] > reach[s]),
+                            default=engine.steps_per_call)
             steps = engine.call_steps(live_length, remaining)
             decode_state, result = engine.generate(None, decode_state, live_slots=live_slots,
                                                    live_length=live_length, max_steps=steps)

@@ -131,3 +131,16 @@ def test_auto_picks_two_engines_on_a_cpu_host_with_two_cores_and_an_even_split(m
 def test_local_engines_that_do_not_divide_the_slots_are_refused(sampler):
     with pytest.raises(build.ConfigError, match="sampler.local_engines"):
         build.validate_config(_tiny_config(**sampler))
+
+
+def test_the_call_length_keys_reach_every_engine_and_bad_ones_are_refused():
+    """sampler.steps_per_call / max_steps_per_call from the config to each engine the run builds
+    (0 = fixed calls of steps_per_call); a maximum below the minimum is a config error naming both."""
+    for most, expected in ((12, 12), (0, 3)):
+        config = _tiny_config(local_engines=2, max_concurrent_decodes=8, steps_per_call=3, max_steps_per_call=most)
+        model_config, params = build.build_model(config)
+        engines = build.build_engines(config, model_config, params, build.build_tokenizer(config))
+        assert [(e.steps_per_call, e.max_steps_per_call) for e in engines] == [(3, expected)] * 2
+    with pytest.raises(build.ConfigError, match=r"sampler.max_steps_per_call=2: expected 0 .* >= "
+                                                r"sampler.steps_per_call=3"):
+        build.validate_config(_tiny_config(steps_per_call=3, max_steps_per_call=2))
