@@ -59,6 +59,9 @@ ARMS = {
     # DAPO's dynamic sampling: each iteration submits ceil(64 / the running non-zero share) groups
     # (up to 4x), so the learner sees ~64 groups with signal; longer iterations, evaluated every 5.
     "dynamic_sampling": (["--config.allocation.dynamic_sampling=True"], 0.5),
+    # Negative advantages scaled by w (losses.weight_negative_advantages; the default config's 0.25):
+    # 1 = the estimator's own, 0 = only the successes above their group's mean.
+    **{f"negative_{w}": ([f"--config.rl.negative_advantage_weight={w}"], 1.0) for w in ("1", "0.5", "0.1", "0")},
 }
 
 

@@ -39,4 +39,6 @@ def get_config() -> ml_collections.ConfigDict:
         # learning_rate: the base's; listed so that a run can move B alone (--config.stage.chain.rl.learning_rate).
         "rl": {"iterations": 40, "distill_coef": 0.1, "distill_envs": "calculator", "learning_rate": 2e-4},
     })
+    # The estimator's own advantages: calculator_tiny's 0.25 was measured on its calculator alone.
+    config.rl.negative_advantage_weight = 1.0
     return config.lock()

@@ -5,6 +5,7 @@ The config stops here: everything below takes plain typed arguments. Importable 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import zlib
@@ -716,6 +717,9 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"and rollout.token_budget=0 (got {r.schedule!r}, {r.token_budget})")
     # The objective.
     one_of("rl.advantage", rl.advantage, ADVANTAGES)
+    need(math.isfinite(rl.negative_advantage_weight) and rl.negative_advantage_weight >= 0,
+         f"rl.negative_advantage_weight={rl.negative_advantage_weight}: expected a finite weight >= 0 "
+         "(1 = the estimator's advantages; 0 = only the positive ones)")
     from jaxrl_agent import tool_formats
 
     tk = config.tokenizer
@@ -979,16 +983,20 @@ def build_task_stream(config, environments: "Environments", levels: dict, *, see
 
 
 def build_advantage_fn(config):
-    """`rl.advantage` as a function rewards [G, N] -> advantages [G, N]."""
+    """`rl.advantage` as a function rewards [G, N] -> advantages [G, N], its negative values scaled by
+    `rl.negative_advantage_weight` (`losses.weight_negative_advantages`)."""
     from jaxrl_agent import losses
 
     from jaxrl_agent.rollout.postprocess import dr_grpo_advantages
 
-    name, tau = config.rl.advantage, config.rl.tau
-    return {"grpo": lambda r: losses.group_advantages(r, normalize_std=True),
-            "dr_grpo": dr_grpo_advantages,
-            "rloo": losses.rloo_advantages,
-            "ploo": lambda r: losses.ploo_advantages(r, tau=tau)}[name]
+    name, tau, weight = config.rl.advantage, config.rl.tau, config.rl.negative_advantage_weight
+    estimator = {"grpo": lambda r: losses.group_advantages(r, normalize_std=True),
+                 "dr_grpo": dr_grpo_advantages,
+                 "rloo": losses.rloo_advantages,
+                 "ploo": lambda r: losses.ploo_advantages(r, tau=tau)}[name]
+    if weight == 1:
+        return estimator
+    return lambda r: losses.weight_negative_advantages(estimator(r), weight)
 
 
 def build_objective(config):

@@ -11,6 +11,7 @@ from jaxrl_agent.losses.advantages import (
     rloo_advantages,
     turn_reward_to_go,
     turn_values_to_tokens,
+    weight_negative_advantages,
 )
 from jaxrl_agent.losses.corrections import drift_metrics, icepop_mask, truncated_importance_weights
 from jaxrl_agent.losses.objective import (
@@ -49,4 +50,5 @@ __all__ = [
     "masked_sequence_mean", "masked_sequence_sum_norm", "masked_token_mean", "mirror_descent_loss",
     "ploo_advantages", "ppo_clip_loss", "reinforce_baseline_advantages", "reinforce_loss", "rloo_advantages",
     "token_clip_keep_mask", "truncated_importance_weights", "turn_reward_to_go", "turn_values_to_tokens",
+    "weight_negative_advantages",
 ]

@@ -326,6 +326,24 @@ def test_ploo_tends_to_rloo_for_large_tau():
     np.testing.assert_allclose(L.ploo_advantages(r, tau=1e4), L.rloo_advantages(r), atol=1e-3)
 
 
+def test_negative_advantages_are_scaled_and_the_rest_kept():
+    a = np.array([[0.75, -0.25, -0.25, -0.25], [0.5, -0.5, 0.0, 0.0]], np.float32)
+    np.testing.assert_allclose(L.weight_negative_advantages(a, 0.2),
+                               [[0.75, -0.05, -0.05, -0.05], [0.5, -0.1, 0.0, 0.0]], rtol=1e-6)
+    np.testing.assert_array_equal(L.weight_negative_advantages(a, 1.0), a)  # 1 = the estimator's own
+    np.testing.assert_array_equal(L.weight_negative_advantages(a, 0.0), np.maximum(a, 0.0))  # positives only
+    np.testing.assert_array_equal(L.weight_negative_advantages(a, 3.0), np.where(a < 0, 3 * a, a))
+    # Signs never flip, and a group-centred advantage sums to (1 - w) * its positive mass.
+    r = np.random.RandomState(4).rand(5, 6).astype(np.float32)
+    centred = L.group_advantages(r, normalize_std=False)
+    weighted = np.asarray(L.weight_negative_advantages(centred, 0.25))
+    np.testing.assert_array_equal(np.sign(weighted), np.sign(np.asarray(centred)))
+    np.testing.assert_allclose(weighted.sum(1), 0.75 * np.maximum(np.asarray(centred), 0).sum(1), rtol=1e-5)
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="negative_weight must be >= 0"):
+            L.weight_negative_advantages(a, bad)
+
+
 def test_clip_fractions_are_reported_separately():
     lp = jnp.log(jnp.array([[0.5, 1.5, 1.0, 1.0]]))  # ratios vs old=1: 0.5 (low), 1.5 (high)
     _, metrics = L.ppo_clip_loss(lp, jnp.zeros((1, 4)), jnp.array([[-1.0, 1.0, 1.0, 1.0]]), jnp.ones((1, 4)))

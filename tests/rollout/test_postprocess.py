@@ -79,10 +79,33 @@ def test_advantage_estimators_from_the_config(tmp_path, name, reference):
 
     config = tiny_config(tmp_path)
     config.rl.advantage = name
+    config.rl.negative_advantage_weight = 1.0  # the estimator's own advantages
     rewards = np.array([[1.0, 0.0, 0.5, 0.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
     groups = [[_traj(float(r), i=i) for i, r in enumerate(row)] for row in rewards]
     out, _ = pp.assign_advantages(groups, build.build_advantage_fn(config))
     np.testing.assert_allclose([[t.advantage for t in g] for g in out], reference(rewards), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dr_grpo", "rloo"])
+def test_the_negative_advantage_weight_from_the_config(tmp_path, name):
+    from tests.test_trainer import tiny_config
+
+    config = tiny_config(tmp_path)
+    config.rl.advantage = name
+    config.rl.negative_advantage_weight = 0.25
+    build.validate_config(config)
+    rewards = np.array([[1.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
+    groups = [[_traj(float(r), i=i) for i, r in enumerate(row)] for row in rewards]
+    out, stats = pp.assign_advantages(groups, build.build_advantage_fn(config))
+    plain = np.asarray({"dr_grpo": lambda r: losses.group_advantages(r, normalize_std=False),
+                        "rloo": losses.rloo_advantages}[name](rewards))
+    np.testing.assert_allclose([[t.advantage for t in g] for g in out], np.where(plain < 0, 0.25 * plain, plain),
+                               rtol=1e-5, atol=1e-6)
+    assert stats["nonzero_advantage_group_share"] == pytest.approx(2 / 3)
+    for bad in (-0.1, float("inf")):
+        config.rl.negative_advantage_weight = bad
+        with pytest.raises(build.ConfigError, match="rl.negative_advantage_weight"):
+            build.validate_config(config)
 
 
 def test_reward_weights_and_reward_fn():
