@@ -340,7 +340,7 @@ def get_config() -> ml_collections.ConfigDict:
     # The negative advantages scaled by this (losses.weight_negative_advantages; W-REINFORCE's
     # weighting, Zhu et al. 2025): below 1 the samples that beat their group's mean count for more
     # than those below it, which raises greedy pass@1 sooner and explores less; 1 = the estimator's
-    # advantages. 0.25 reached +15 points in ~0.7x the RL iterations of 1 here (benchmarks/RESULTS.md).
+    # advantages. 0.25 reached +15 points in ~0.75x the RL iterations of 1 here (benchmarks/RESULTS.md).
     config.rl.negative_advantage_weight = 0.25
     # Learner/sampler mismatch: 'none', 'tis' (truncated IS weights, cap rl.tis_cap), 'icepop'
     # (drop tokens whose ratio leaves [icepop_low, icepop_high]) or 'decoupled' (decoupled PPO: the

@@ -6,6 +6,8 @@ shape, to be broadcast over each sequence's tokens by the policy losses.
 
 from __future__ import annotations
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -100,19 +102,19 @@ def weight_negative_advantages(advantages: jax.Array, negative_weight: float) ->
     lambda = 1 / w, up to the step size (which Adam's normalisation absorbs). They found PSR raises
     pass@1 soonest and narrows exploration (pass@k at large k falls), NSR keeps it, and lambda = 0.1
     (w = 10) best for pass@k. w < 1 leans on the successes: on the tiny calculator default, w = 0.25
-    reached +15 points of greedy pass@1 in ~105 RL iterations against ~145 at w = 1
-    (benchmarks/RESULTS.md). w = 0 keeps only the positive samples (RAFT-like, with the group's mean
+    reached +15 points of greedy pass@1 in ~103 RL iterations against ~137 at w = 1 (three seeds;
+    benchmarks/RESULTS.md). w = 0 keeps only the positive samples (RAFT-like, with the group's mean
     as the cut). A group-centred advantage no longer sums to zero for w != 1.
 
     Args:
       advantages: any shape, e.g. [G, N] from the estimators above.
-      negative_weight: w >= 0.
+      negative_weight: w >= 0, finite (a Python number).
 
     Returns:
       float32 advantages of the same shape.
     """
-    if not negative_weight >= 0:  # also refuses NaN
-        raise ValueError(f"negative_weight must be >= 0, got {negative_weight}")
+    if not (math.isfinite(negative_weight) and negative_weight >= 0):
+        raise ValueError(f"negative_weight must be finite and >= 0, got {negative_weight}")
     a = jnp.asarray(advantages, jnp.float32)
     return jnp.where(a < 0, jnp.float32(negative_weight) * a, a)
 

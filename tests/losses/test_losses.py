@@ -339,8 +339,8 @@ def test_negative_advantages_are_scaled_and_the_rest_kept():
     weighted = np.asarray(L.weight_negative_advantages(centred, 0.25))
     np.testing.assert_array_equal(np.sign(weighted), np.sign(np.asarray(centred)))
     np.testing.assert_allclose(weighted.sum(1), 0.75 * np.maximum(np.asarray(centred), 0).sum(1), rtol=1e-5)
-    for bad in (-0.5, float("nan")):
-        with pytest.raises(ValueError, match="negative_weight must be >= 0"):
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="negative_weight must be finite and >= 0"):
             L.weight_negative_advantages(a, bad)
 
 
