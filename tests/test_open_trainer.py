@@ -89,7 +89,7 @@ VARIANTS = {
     "ppo+grpo+none+dual_clip": {"rl.objective": "ppo", "rl.advantage": "grpo", "rl.correction": "none",
                                 "rl.dual_clip": 3.0, "rl.clip_eps_high": 0.28},
     "gspo+rloo+icepop+k3": {"rl.objective": "gspo", "rl.advantage": "rloo", "rl.correction": "icepop",
-                            "rl.kl_coef": 0.05, "rl.kl_estimator": "k3"},
+                            "rl.kl_coef": 0.05, "rl.kl_estimator": "k3", "rl.negative_advantage_weight": 1.0},
     "cispo+ploo+decoupled": {"rl.objective": "cispo", "rl.advantage": "ploo", "rl.correction": "decoupled",
                              "rl.clip_eps_low": 1.0, "rl.tau": 1.0},
     "reinforce+dr_grpo+tis+entropy+k1": {"rl.objective": "reinforce", "rl.advantage": "dr_grpo",
@@ -130,6 +130,12 @@ def test_every_named_objective_advantage_correction_and_kl_runs_from_the_config(
         assert np.isfinite(record["loss"]) and record["grad_norm"] > 0
         missing = [k for k in EXPECTED_METRICS[name] if k not in record]
         assert not missing, f"{name}: objective metrics {missing} did not reach metrics.jsonl"
+        # rl.negative_advantage_weight reaches the trained advantages: the config's 0.25 scales the
+        # failures of these mixed groups (a positive mean); at 1 a centred estimator's mean is 0.
+        if config.rl.negative_advantage_weight < 1:
+            assert record["advantage_mean"] > 0.01
+        elif config.rl.advantage in ("grpo", "dr_grpo", "rloo"):
+            assert abs(record["advantage_mean"]) < 1e-5
         if "rl.kl_coef" in VARIANTS[name]:
             # One update from the reference at most: the KL is small but computed (reference forward pass).
             assert abs(record[f"kl_{VARIANTS[name]['rl.kl_estimator']}/mean"]) < 1.0

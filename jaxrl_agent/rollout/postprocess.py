@@ -145,7 +145,9 @@ def assign_advantages(groups: Sequence[Group], advantage_fn: AdvantageFn = dr_gr
         all_advantages.append(advantages.ravel())
     rewards, advantages = np.concatenate(all_rewards), np.concatenate(all_advantages)
     return out, {"groups": len(groups), "nonzero_advantage_group_share": float(nonzero.mean()),
-                 "reward_mean": float(rewards.mean()), "advantage_abs_mean": float(np.abs(advantages).mean())}
+                 "reward_mean": float(rewards.mean()), "advantage_abs_mean": float(np.abs(advantages).mean()),
+                 # 0 for group-centred estimators; > 0 where rl.negative_advantage_weight < 1 scales the failures.
+                 "advantage_mean": float(advantages.mean())}
 
 
 def drop_zero_advantage_groups(groups: Sequence[Group]) -> list[list[Trajectory]]:

@@ -102,6 +102,8 @@ def test_the_negative_advantage_weight_from_the_config(tmp_path, name):
     np.testing.assert_allclose([[t.advantage for t in g] for g in out], np.where(plain < 0, 0.25 * plain, plain),
                                rtol=1e-5, atol=1e-6)
     assert stats["nonzero_advantage_group_share"] == pytest.approx(2 / 3)
+    assert stats["advantage_mean"] == pytest.approx(float(np.where(plain < 0, 0.25 * plain, plain).mean()), abs=1e-6)
+    assert stats["advantage_mean"] > 0 and abs(float(plain.mean())) < 1e-6  # centred before the weighting
     for bad in (-0.1, float("inf")):
         config.rl.negative_advantage_weight = bad
         with pytest.raises(build.ConfigError, match="rl.negative_advantage_weight"):
