@@ -186,7 +186,10 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="q_norm")(q)
             key = RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name="k_norm")(key)
         inv_freq = rope_inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling)
-        q = apply_rope(q, positions, inv_freq)
+        # The 1/sqrt(D) of the scores applied to the queries ([B, T, N, D], fused with RoPE) rather
+        # than to the [B, K, G, T, S] scores: on XLA:CPU scaling the scores was a pass of its own
+        # over them in the forward pass and a materialised broadcast of the constant in the backward.
+        q = apply_rope(q, positions, inv_freq) * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
         key = apply_rope(key, positions, inv_freq)
         key = key.transpose(0, 2, 1, 3)  # [B, K, T, D]
         value = value.transpose(0, 2, 1, 3)
@@ -202,7 +205,7 @@ class Attention(nn.Module):
         q = q.reshape(b, t, k, g, d).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, d)
         key_spec = "bkqd,bkds->bkqs" if layer_cache is not None else "bkqd,bksd->bkqs"
         scores = jnp.einsum(key_spec, q, key, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, k, g, t, s) / jnp.sqrt(jnp.float32(d))
+        scores = scores.reshape(b, k, g, t, s)
         # An additive bias rather than a select: the backward of `where` materialised a
         # [L, B, K, G, T, S] broadcast of its constant per step on XLA:CPU.
         scores = scores + jnp.where(mask, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None, :, :]
