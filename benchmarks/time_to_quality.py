@@ -41,6 +41,7 @@ ARMS = {
     # One update per iteration on the whole batch: the learner's time halves.
     "minibatches_1": (["--config.rl.minibatches=1"], 1.0),
     "lr_3e-4": (["--config.rl.learning_rate=3e-4"], 1.0),
+    "lr_4e-4": (["--config.rl.learning_rate=4e-4"], 1.0),
     # Rollout allocation over a revisited pool of 2,048 training tasks (issue 7's strategies: the
     # groups go to the tasks whose success posteriors promise mixed outcomes), and the pool alone.
     "knapsack": (["--config.allocation.strategy=knapsack", "--config.allocation.task_pool=2048"], 1.0),
