@@ -281,3 +281,45 @@ def test_hidden_states_times_output_kernel_is_forward():
         got = jnp.einsum("bth,hv->btv", models.hidden_states(config, params, tokens, segment_ids=segments),
                          models.output_kernel(config, params))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_equals_silu_gating_in_value_and_gradient():
+    from jaxrl_agent.models import transformer
+
+    gate, up = (jax.random.normal(jax.random.PRNGKey(i), (6, 9)) * 3.0 for i in (0, 1))
+    weights = jax.random.normal(jax.random.PRNGKey(2), gate.shape)
+    reference = lambda g, u: jax.nn.silu(g) * u
+    np.testing.assert_allclose(transformer.swiglu(gate, up), reference(gate, up), rtol=1e-6, atol=1e-7)
+
+    def objective(fn, g, u):
+        return jnp.sum(weights * fn(g, u) ** 2)  # not linear in the output: the chain rule matters
+
+    ours = jax.grad(functools.partial(objective, transformer.swiglu), argnums=(0, 1))(gate, up)
+    ref = jax.grad(functools.partial(objective, reference), argnums=(0, 1))(gate, up)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The closed form, with d out = 2 w out and s = sigmoid(gate).
+    s = jax.nn.sigmoid(gate)
+    d_out = 2 * weights * reference(gate, up)
+    np.testing.assert_allclose(ours[0], d_out * up * (s + gate * s * (1 - s)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours[1], d_out * gate * s, rtol=1e-5, atol=1e-6)
+
+
+def test_model_gradients_equal_those_through_silu(monkeypatch):
+    """The whole model's loss and gradients with the MLP's own SwiGLU derivative equal the ones
+    differentiated through jax.nn.silu."""
+    from jaxrl_agent.models import transformer
+
+    config = CONFIGS["llama"]
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 0, config.vocab_size)
+
+    def loss(p):
+        return jnp.mean(jax.nn.log_softmax(models.forward(config, p, tokens))[..., 0])
+
+    value, grad = jax.value_and_grad(loss)(params)
+    monkeypatch.setattr(transformer, "swiglu", lambda g, u: jax.nn.silu(g) * u)
+    value_ref, grad_ref = jax.value_and_grad(loss)(params)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
