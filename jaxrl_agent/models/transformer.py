@@ -223,9 +223,9 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     Its derivative is written out, with s = sigmoid(gate):
       d gate = d out * up * (s + gate * s * (1 - s)),   d up = d out * gate * s,
     from the saved gate and up (the projections' outputs) in one elementwise pass. Differentiated
-    through `jax.nn.silu`, XLA:CPU ran the gating as three passes of their own over the
-    [B*T, intermediate] activations each way; the default model's learner step took ~0.97x the
-    time with this one (benchmarks/RESULTS.md). Reverse mode only (a `custom_vjp`): `jax.jvp`
+    through `jax.nn.silu`, XLA:CPU ran the gating as three single-op passes over the
+    [B*T, intermediate] activations in the forward pass and more in the backward; the default
+    model's learner step took ~0.97x the time with this one (benchmarks/RESULTS.md). Reverse mode only (a `custom_vjp`): `jax.jvp`
     through the model is not supported."""
     return gate * jax.nn.sigmoid(gate) * up
 
