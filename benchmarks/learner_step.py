@@ -2,6 +2,7 @@
 
   python benchmarks/learner_step.py [--steps 10] [--rounds 1] [--tunix_python /path/to/tunix_venv/bin/python]
       [--host_allocator reuse|system] [--tunix_host_allocator system|reuse]
+  python benchmarks/learner_step.py --model default --batch 24   # the embedded default's model, ours only
 
 Shape: Qwen3-style, 2 layers, d=256, 4 heads / 2 KV heads, head_dim 64, MLP 768, vocab 8192, tied
 embeddings, float32; 8 sequences of 128 tokens (16 prompt + 112 sampled). Ours: `learner.make_train_step`
@@ -21,6 +22,7 @@ unless `--tunix_host_allocator reuse` gives it the same.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -32,13 +34,25 @@ from served_baseline import ServedBaseline
 from jaxrl_agent import heap
 
 
-def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target_multiple: int = 16):
+def model_config(model: str):
+    """'issue6': the benchmark shape above (tunix's baseline builds the same); 'default': the embedded
+    default's model (`configs/calculator_tiny.py`: 4 layers, width 128, a character vocabulary)."""
+    from jaxrl_agent import config_lib, models
+
+    if model == "default":
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "calculator_tiny.py")
+        return models.ModelConfig.from_config_dict(config_lib.load_config(path).model)
+    return models.ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True,
+                              tie_word_embeddings=True, scan_layers=False)
+
+
+def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target_multiple: int = 16,
+         model: str = "issue6"):
     """Compiles our train step on the benchmark shape; returns `timed(steps) -> [seconds per step]`."""
     from jaxrl_agent import learner, losses, models, replay, sharding
 
-    config = models.ModelConfig(architecture="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768,
-                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True,
-                                tie_word_embeddings=True, scan_layers=False)
+    config = model_config(model)
     params = models.init_params(config, jax.random.PRNGKey(0))
     optimizer = learner.make_optimizer(learning_rate=1e-6, warmup_steps=1, total_steps=1000)
     state = learner.init_state(params, optimizer)
@@ -51,7 +65,7 @@ def ours(batch: int, prompt: int, completion: int, logits_chunk: int = 0, target
     mask = np.zeros((batch, t), np.int32)
     mask[:, prompt:] = 1
     batch_arrays = learner.PackedBatch(
-        tokens=jnp.asarray(rng.randint(2, 8000, (batch, t)), jnp.int32),
+        tokens=jnp.asarray(rng.randint(2, min(8000, config.vocab_size), (batch, t)), jnp.int32),
         segment_ids=jnp.ones((batch, t), jnp.int32), positions=jnp.broadcast_to(jnp.arange(t), (batch, t)),
         loss_mask=jnp.asarray(mask), advantages=jnp.asarray(rng.randn(batch, 1) * mask, jnp.float32),
         sampler_logprobs=jnp.asarray(-rng.rand(batch, t) * 9 * mask, jnp.float32),
@@ -82,6 +96,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--completion", type=int, default=112)
     parser.add_argument("--tunix_python", default=None)
+    parser.add_argument("--model", choices=("issue6", "default"), default="issue6",
+                        help="issue6: the shape above; default: configs/calculator_tiny.py's model (ours only)")
     parser.add_argument("--logits_chunk", type=int, default=0, help="learner.logits_chunk (0 = whole rows)")
     parser.add_argument("--target_multiple", type=int, default=16,
                         help="learner.target_multiple (0 = logits at every position, as before)")
@@ -90,9 +106,11 @@ def main() -> None:
     parser.add_argument("--tunix_host_allocator", choices=heap.HOST_ALLOCATORS, default="system",
                         help="the same setting in tunix's process (system = as tunix runs by default)")
     args = parser.parse_args()
+    if args.tunix_python and args.model != "issue6":
+        parser.error("--tunix_python compares the issue6 shape only (tunix_learner_baseline.py builds that one)")
     heap.set_host_allocator(args.host_allocator)  # as the launcher does, before the first computation
     learners = [("jaxrl_agent train_step", ours(args.batch, args.prompt, args.completion, args.logits_chunk,
-                                                args.target_multiple))]
+                                                args.target_multiple, args.model))]
     tunix = ServedBaseline(args.tunix_python, __file__.replace("learner_step.py", "tunix_learner_baseline.py"),
                            ["--batch", str(args.batch), "--prompt", str(args.prompt), "--completion", str(args.completion),
                             "--host_allocator", args.tunix_host_allocator],
@@ -114,7 +132,7 @@ def main() -> None:
     if tunix:
         tunix.close()
     tokens = args.batch * args.completion
-    print(f"\nshape: {args.batch} x {args.prompt + args.completion} tokens ({tokens} trained); "
+    print(f"\nmodel: {args.model}; shape: {args.batch} x {args.prompt + args.completion} tokens ({tokens} trained); "
           f"{args.rounds} round(s) of {args.steps} steps each; medians over all steps; host allocator: ours "
           f"{args.host_allocator}" + (f", tunix {args.tunix_host_allocator}" if tunix else "") + "\n")
     print("| learner | step time (ms) | trained tokens/s |")

@@ -225,8 +225,8 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     from the saved gate and up (the projections' outputs) in one elementwise pass. Differentiated
     through `jax.nn.silu`, XLA:CPU ran the gating as three single-op passes over the
     [B*T, intermediate] activations in the forward pass and more in the backward; the default
-    model's learner step took ~0.97x the time with this one (benchmarks/RESULTS.md). Reverse mode only (a `custom_vjp`): `jax.jvp`
-    through the model is not supported."""
+    model's learner step took ~0.97x the time with this one (benchmarks/RESULTS.md). Reverse mode
+    only (a `custom_vjp`): `jax.jvp` through the model is not supported."""
     return gate * jax.nn.sigmoid(gate) * up
 
 
