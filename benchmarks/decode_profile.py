@@ -10,6 +10,14 @@ from (the HLO's `op_name` metadata): the attention projections (q, k, v, o), the
 (scores and the weighted sum over the cache), the cache write, the MLP, the norms, the output head,
 sampling (everything of `decoding.sample_tokens`), and the rest (the loop, RoPE, embedding).
 
+An op's trace event does not always cover its work: the output head's product ([8, 256] x
+[256, 8192]) showed 43 us in its event and then 158 us in which no op of the step ran at all (model
+207 host, benchmarks/RESULTS.md) — the product finishing outside its event — where the step lost
+~0.2 ms per step when the vocabulary went from 8192 to 1024. So each op is also charged the
+untraced wait that follows it inside the decode loop (until the next op starts, while no other op
+runs), and the parts are reported with it; gaps next to the ops before and after the loop (between
+`generate` calls: the host's side) are reported apart.
+
 Also printed: how the ops were spread over the host's threads — the busy time of each thread, the
 time two threads were busy at once, and the step's span in the trace. Ops run one at a time on one
 thread or the other, and the profiler adds a little to each op, so the parts add up to more
@@ -102,6 +110,25 @@ def _overlap(x, y) -> float:
     return total
 
 
+def untraced_waits(ops: list[tuple[float, float, str]], in_loop) -> tuple[dict[str, float], float]:
+    """Charges each gap in which no op runs to the op that ended last before it, when the ops on
+    both sides of the gap belong to the decode loop (`in_loop(name)`): ({op: summed gap}, summed
+    other gaps — before and after the loop, between calls: the host's side). `ops`: (start, end,
+    name) of every op event, on any thread."""
+    waits: dict[str, float] = collections.Counter()
+    outside = 0.0
+    end, last = None, None
+    for start, stop, name in sorted(ops):
+        if end is not None and start > end:
+            if in_loop(last) and in_loop(name):
+                waits[last] += start - end
+            else:
+                outside += start - end
+        if end is None or stop > end:
+            end, last = stop, name
+    return waits, outside
+
+
 def profile(rows: int, temperature: float, options: str, calls: int) -> None:
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))
@@ -138,6 +165,7 @@ def profile(rows: int, temperature: float, options: str, calls: int) -> None:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     steps = calls * engine.steps_per_call
     by_part, by_op, per_thread = collections.Counter(), collections.Counter(), collections.defaultdict(list)
+    ops = []
     for e in events:
         if e.get("ph") != "X" or e.get("dur", 0) <= 0 or e["name"] not in names:
             continue
@@ -146,16 +174,23 @@ def profile(rows: int, temperature: float, options: str, calls: int) -> None:
         by_part[part_of(names[e["name"]])] += e["dur"]
         by_op[e["name"]] += e["dur"]
         per_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+        ops.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    waits, outside = untraced_waits(ops, lambda name: "/while/" in names[name])
+    wait_by_part = collections.Counter()
+    for name, us in waits.items():
+        wait_by_part[part_of(names[name])] += us
     print(f"\ndecode step, {rows} rows, temperature {temperature}, options {options}: "
           f"{step_us:.0f} us untraced (median of 10 timings of 2 calls x {engine.steps_per_call} steps)\n")
-    print("| part of the step | us per step (traced) | share |\n|---|---|---|")
-    total = sum(by_part.values())
-    for part, us in by_part.most_common():
-        print(f"| {part} | {us / steps:.1f} | {us / total:.0%} |")
-    print(f"| all ops | {total / steps:.1f} | |\n")
-    print("| op | us per step | JAX operation |\n|---|---|---|")
-    for name, us in by_op.most_common(12):
-        print(f"| {name} | {us / steps:.1f} | {names[name][-80:]} |")
+    print("| part of the step | us per step (traced) | untraced wait after it | together | share |\n|---|---|---|---|---|")
+    total = sum(by_part.values()) + sum(wait_by_part.values())
+    for part, us in sorted(by_part.items(), key=lambda kv: -(kv[1] + wait_by_part[kv[0]])):
+        both = us + wait_by_part[part]
+        print(f"| {part} | {us / steps:.1f} | {wait_by_part[part] / steps:.1f} | {both / steps:.1f} | {both / total:.0%} |")
+    print(f"| all ops | {sum(by_part.values()) / steps:.1f} | {sum(wait_by_part.values()) / steps:.1f} | "
+          f"{total / steps:.1f} | |\n\nbetween generate calls (outside the loop, no op running): {outside / steps:.1f} us per step\n")
+    print("| op | us per step (traced) | untraced wait after it | JAX operation |\n|---|---|---|---|")
+    for name in sorted(by_op, key=lambda n: -(by_op[n] + waits.get(n, 0.0)))[:12]:
+        print(f"| {name} | {by_op[name] / steps:.1f} | {waits.get(name, 0.0) / steps:.1f} | {names[name][-80:]} |")
     threads = sorted(per_thread, key=lambda t: -len(per_thread[t]))[:2]
     unions = {t: _union(per_thread[t]) for t in threads}
     busy = [sum(b - a for a, b in unions[t]) / steps for t in threads]
