@@ -1,0 +1,54 @@
+"""`config_lib.enable_compilation_cache`: the folder from the config or JAX_COMPILATION_CACHE_DIR,
+and the same store threshold either way (unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set)."""
+
+import jax
+import ml_collections
+import pytest
+
+from jaxrl_agent import config_lib
+
+
+@pytest.fixture
+def restore_jax_cache_config():
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.0)  # not what the function sets
+    yield
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
+
+def config(folder):
+    c = ml_collections.ConfigDict()
+    c.compilation_cache_dir = folder
+    return c
+
+
+def test_config_folder_and_threshold(tmp_path, monkeypatch, restore_jax_cache_config):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    assert config_lib.enable_compilation_cache(config(str(tmp_path / "xla"))) == str(tmp_path / "xla")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == config_lib.MIN_CACHED_COMPILE_SECONDS
+
+
+def test_environment_folder_wins_and_gets_the_same_threshold(tmp_path, monkeypatch, restore_jax_cache_config):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    before = jax.config.jax_compilation_cache_dir
+    assert config_lib.enable_compilation_cache(config(str(tmp_path / "xla"))) == str(tmp_path / "env")
+    assert jax.config.jax_compilation_cache_dir == before  # JAX read the variable itself; not overridden
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == config_lib.MIN_CACHED_COMPILE_SECONDS
+
+
+def test_a_threshold_from_the_environment_is_left_alone(tmp_path, monkeypatch, restore_jax_cache_config):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "7.0")
+    config_lib.enable_compilation_cache(config(""))
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 7.0
+
+
+def test_off_without_a_folder(monkeypatch, restore_jax_cache_config):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    assert config_lib.enable_compilation_cache(config("")) is None
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 7.0
