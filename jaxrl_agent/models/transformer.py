@@ -222,11 +222,13 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
     Its derivative is written out, with s = sigmoid(gate):
       d gate = d out * up * (s + gate * s * (1 - s)),   d up = d out * gate * s,
-    from the saved gate and up (the projections' outputs) in one elementwise pass. Differentiated
-    through `jax.nn.silu`, XLA:CPU ran the gating as three single-op passes over the
-    [B*T, intermediate] activations in the forward pass and more in the backward; the default
-    model's learner step took ~0.97x the time with this one (benchmarks/RESULTS.md). Reverse mode
-    only (a `custom_vjp`): `jax.jvp` through the model is not supported."""
+    from the saved gate and up (the projections' outputs), s recomputed. The forward pass is one
+    elementwise pass over the [B*T, intermediate] activations; the backward pass writes s once and
+    reads it for both derivatives. Differentiated through `jax.nn.silu`, XLA:CPU ran the gating as
+    three single-op passes in the forward pass and more in the backward; the default model's
+    learner step took ~0.97x the time with this one, and ~0.90x more once the backward's sigmoid was
+    kept apart from the forward's (benchmarks/RESULTS.md). Reverse mode only (a `custom_vjp`):
+    `jax.jvp` through the model is not supported."""
     return gate * jax.nn.sigmoid(gate) * up
 
 
@@ -235,7 +237,10 @@ def _swiglu_fwd(gate, up):
 
 
 def _swiglu_bwd(residuals, d_out):
-    gate, up = residuals
+    # The barrier keeps XLA from merging this sigmoid (and gate * s) with the forward pass's: merged,
+    # the forward pass wrote s, gate * s and the output as three [B*T, intermediate] arrays for the
+    # backward pass to read, where alone it is one elementwise pass and this one recomputes s.
+    gate, up = jax.lax.optimization_barrier(residuals)
     s = jax.nn.sigmoid(gate)
     silu = gate * s
     return d_out * up * (s + silu * (1 - s)), d_out * silu
