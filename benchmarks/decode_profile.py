@@ -11,9 +11,9 @@ from (the HLO's `op_name` metadata): the attention projections (q, k, v, o), the
 sampling (everything of `decoding.sample_tokens`), and the rest (the loop, RoPE, embedding).
 
 An op's trace event does not always cover its work: the output head's product ([8, 256] x
-[256, 8192]) showed 43 us in its event and then 158 us in which no op of the step ran at all (model
-207 host, benchmarks/RESULTS.md) — the product finishing outside its event — where the step lost
-~0.2 ms per step when the vocabulary went from 8192 to 1024. So each op is also charged the
+[256, 8192]) showed 43-48 us in its event and then 158-172 us in which no op of the step ran at all
+(model 207 host, benchmarks/RESULTS.md) — the product finishing outside its event — and the step was
+~0.25 ms shorter with a vocabulary of 1024 instead of 8192. So each op is also charged the
 untraced wait that follows it inside the decode loop (until the next op starts, while no other op
 runs), and the parts are reported with it; gaps next to the ops before and after the loop (between
 `generate` calls: the host's side) are reported apart.

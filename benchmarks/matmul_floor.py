@@ -12,6 +12,10 @@ values), the MLP (gate, up, down) and the output head, chained so that each read
   * learner: forward and backward (`jax.vjp` with a random cotangent, so every backward product is
     a real one) over the learner benchmark's batch, 8 x 128 tokens, the head at its 112 trained
     positions per row.
+A decode step at few rows reads more bytes than it computes on, so it also gets a bandwidth floor:
+the bytes one step must read (every weight, the output head once, and the keys and values of the
+cache it attends over) at the rate this host reads memory, measured in the same rounds as a jitted
+loop of sums over as many bytes (the fastest of the engine's option sets).
 Steps measured in the same rounds, alternated with their floors: the engine's decode step
 (`AgentEngine.decode_step_seconds`, with the decode options chosen for this host) and the train step
 of `benchmarks/learner_step.py`. Model: the sampler and learner benchmarks' shape (Qwen3-style,
@@ -93,6 +97,33 @@ def decode_floor(rows: int, cache_length: int, steps: int, options: dict):
     return timed
 
 
+def decode_bytes(config, rows: int, cache_length: int) -> int:
+    """Bytes one decode step reads at the least: every parameter once (the tied head is the
+    embedding's transpose, read once as the head) and the keys and values of `rows` rows over
+    `cache_length` positions in every layer."""
+    params = models.count_params(jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0))))
+    cache = rows * 2 * config.num_layers * config.num_kv_heads * cache_length * config.head_dim
+    return 4 * (params + cache)  # float32
+
+
+def read_floor(nbytes: int, options: dict, passes: int = 16):
+    """jit() -> seconds per pass of reading `nbytes` of float32 (a sum over them, each pass scaled by
+    the last one's result so that none is hoisted), compiled with XLA:CPU `options`."""
+    data = jnp.asarray(np.random.RandomState(2).rand(nbytes // 4), jnp.float32)
+    fn = jax.jit(lambda a: jax.lax.fori_loop(0, passes, lambda _, s: s + jnp.sum(a * s) * 1e-9, jnp.float32(1.0)),
+                 compiler_options=engine_lib.cpu_compiler_options(options))
+    jax.block_until_ready(fn(data))
+
+    def timed(calls: int = 3) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(data)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / (calls * passes)
+
+    return timed
+
+
 def learner_floor(batch: int, prompt: int, completion: int):
     """jit(weights, x, cotangent) -> gradients: the forward matmuls and their backward products."""
     rng = np.random.RandomState(1)
@@ -148,22 +179,34 @@ def main() -> None:
         engine.decode_step_seconds(options, rows)  # compile
         floors = [decode_floor(rows, engine.max_cache_length, args.steps_per_call, o)
                   for o in engine_lib.DECODE_OPTION_SETS.values()]
+        nbytes = decode_bytes(config, rows, engine.max_cache_length)
+        reads = [read_floor(nbytes, o) for o in engine_lib.DECODE_OPTION_SETS.values()]
         pairs[f"decode step, {rows} rows ({choice.small if rows <= 16 else choice.large})"] = (
             lambda e=engine, o=options, r=rows: e.decode_step_seconds(o, r, calls=3),
-            lambda fs=floors: min(f() for f in fs))
+            lambda fs=floors: min(f() for f in fs), lambda rs=reads: min(f() for f in rs), nbytes)
     step = learner_step.ours(8, 16, 112)
-    pairs["learner step, 8 x 128 tokens"] = (lambda: statistics.median(step(3)), learner_floor(8, 16, 112))
-    times = {name: ([], []) for name in pairs}
+    pairs["learner step, 8 x 128 tokens"] = (lambda: statistics.median(step(3)), learner_floor(8, 16, 112), None, 0)
+    times = {name: ([], [], []) for name in pairs}
     for r in range(args.rounds):
-        for name, (measured, floor) in pairs.items():
+        for name, (measured, floor, read, _) in pairs.items():
             times[name][0].append(measured())
             times[name][1].append(floor())
+            if read is not None:
+                times[name][2].append(read())
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-    print(f"\n{args.rounds} rounds, step and floor alternated; medians\n")
-    print("| step | measured (ms) | matmul floor (ms) | floor / step | step / floor |\n|---|---|---|---|---|")
-    for name, (measured, floor) in times.items():
+    print(f"\n{args.rounds} rounds, step and floors alternated; medians\n")
+    print("| step | measured (ms) | matmul floor (ms) | floor / step | step / floor | bytes read (MB) "
+          "| bandwidth floor (ms) | read rate (GB/s) | step / bandwidth floor |\n|---|---|---|---|---|---|---|---|---|")
+    for name, (measured, floor, read) in times.items():
         m, f = statistics.median(measured) * 1e3, statistics.median(floor) * 1e3
-        print(f"| {name} | {m:.3f} | {f:.3f} | {f / m:.2f} | {m / f:.2f} |")
+        row = f"| {name} | {m:.3f} | {f:.3f} | {f / m:.2f} | {m / f:.2f} |"
+        nbytes = pairs[name][3]
+        if read:
+            b = statistics.median(read) * 1e3
+            row += f" {nbytes / 1e6:.1f} | {b:.3f} | {nbytes / b / 1e6:.1f} | {m / b:.2f} |"
+        else:
+            row += " | | | |"
+        print(row)
 
 
 if __name__ == "__main__":
