@@ -84,15 +84,20 @@ def decode_floor(rows: int, cache_length: int, steps: int, options: dict):
         return h + (h @ head)[:, :D]
 
     fn = jax.jit(lambda h: jax.lax.fori_loop(0, steps, step, h), compiler_options=engine_lib.cpu_compiler_options(options))
-    h = jnp.asarray(rng.randn(rows, D), jnp.float32)
-    jax.block_until_ready(fn(h))
+    return _seconds_per_iteration(fn, jnp.asarray(rng.randn(rows, D), jnp.float32), steps)
+
+
+def _seconds_per_iteration(fn, arg, iterations: int):
+    """Compiles and runs fn(arg) once; returns `timed(calls=3)` -> seconds per loop iteration of
+    `calls` more calls (each runs `iterations`)."""
+    jax.block_until_ready(fn(arg))
 
     def timed(calls: int = 3) -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            out = fn(h)
+            out = fn(arg)
         jax.block_until_ready(out)
-        return (time.perf_counter() - start) / (calls * steps)
+        return (time.perf_counter() - start) / (calls * iterations)
 
     return timed
 
@@ -112,16 +117,7 @@ def read_floor(nbytes: int, options: dict, passes: int = 16):
     data = jnp.asarray(np.random.RandomState(2).rand(nbytes // 4), jnp.float32)
     fn = jax.jit(lambda a: jax.lax.fori_loop(0, passes, lambda _, s: s + jnp.sum(a * s) * 1e-9, jnp.float32(1.0)),
                  compiler_options=engine_lib.cpu_compiler_options(options))
-    jax.block_until_ready(fn(data))
-
-    def timed(calls: int = 3) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(data)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / (calls * passes)
-
-    return timed
+    return _seconds_per_iteration(fn, data, passes)
 
 
 def learner_floor(batch: int, prompt: int, completion: int):
