@@ -108,7 +108,7 @@ def decode_bytes(config, rows: int, cache_length: int) -> int:
     `cache_length` positions in every layer."""
     params = models.count_params(jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0))))
     cache = rows * 2 * config.num_layers * config.num_kv_heads * cache_length * config.head_dim
-    return 4 * (params + cache)  # float32
+    return params * jnp.dtype(config.jnp_param_dtype).itemsize + cache * jnp.dtype(config.jnp_dtype).itemsize
 
 
 def read_floor(nbytes: int, options: dict, passes: int = 16):
@@ -166,7 +166,7 @@ def main() -> None:
     heap.set_host_allocator(args.host_allocator)  # as the launcher does, before the first computation
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))
-    pairs = {}
+    pairs, bandwidth = {}, {}  # name -> (step, matmul floor); decode steps: name -> (read floor, bytes)
     for rows in (int(r) for r in args.decode_rows.split(",")):
         engine = _engine(config, params, rows, args.steps_per_call, args.new_tokens)
         choice = host_tuning.tune_engine(engine, "auto",
@@ -177,28 +177,29 @@ def main() -> None:
                   for o in engine_lib.DECODE_OPTION_SETS.values()]
         nbytes = decode_bytes(config, rows, engine.max_cache_length)
         reads = [read_floor(nbytes, o) for o in engine_lib.DECODE_OPTION_SETS.values()]
-        pairs[f"decode step, {rows} rows ({choice.small if rows <= 16 else choice.large})"] = (
-            lambda e=engine, o=options, r=rows: e.decode_step_seconds(o, r, calls=3),
-            lambda fs=floors: min(f() for f in fs), lambda rs=reads: min(f() for f in rs), nbytes)
+        name = f"decode step, {rows} rows ({choice.small if rows <= 16 else choice.large})"
+        pairs[name] = (lambda e=engine, o=options, r=rows: e.decode_step_seconds(o, r, calls=3),
+                       lambda fs=floors: min(f() for f in fs))
+        bandwidth[name] = (lambda rs=reads: min(f() for f in rs), nbytes)
     step = learner_step.ours(8, 16, 112)
-    pairs["learner step, 8 x 128 tokens"] = (lambda: statistics.median(step(3)), learner_floor(8, 16, 112), None, 0)
-    times = {name: ([], [], []) for name in pairs}
+    pairs["learner step, 8 x 128 tokens"] = (lambda: statistics.median(step(3)), learner_floor(8, 16, 112))
+    times = {name: ([], []) for name in pairs}
+    read_times = {name: [] for name in bandwidth}
     for r in range(args.rounds):
-        for name, (measured, floor, read, _) in pairs.items():
+        for name, (measured, floor) in pairs.items():
             times[name][0].append(measured())
             times[name][1].append(floor())
-            if read is not None:
-                times[name][2].append(read())
+            if name in bandwidth:
+                read_times[name].append(bandwidth[name][0]())
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     print(f"\n{args.rounds} rounds, step and floors alternated; medians\n")
     print("| step | measured (ms) | matmul floor (ms) | floor / step | step / floor | bytes read (MB) "
           "| bandwidth floor (ms) | read rate (GB/s) | step / bandwidth floor |\n|---|---|---|---|---|---|---|---|---|")
-    for name, (measured, floor, read) in times.items():
+    for name, (measured, floor) in times.items():
         m, f = statistics.median(measured) * 1e3, statistics.median(floor) * 1e3
         row = f"| {name} | {m:.3f} | {f:.3f} | {f / m:.2f} | {m / f:.2f} |"
-        nbytes = pairs[name][3]
-        if read:
-            b = statistics.median(read) * 1e3
+        if name in bandwidth:
+            b, nbytes = statistics.median(read_times[name]) * 1e3, bandwidth[name][1]
             row += f" {nbytes / 1e6:.1f} | {b:.3f} | {nbytes / b / 1e6:.1f} | {m / b:.2f} |"
         else:
             row += " | | | |"

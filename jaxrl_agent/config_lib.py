@@ -249,6 +249,10 @@ def run_app(main, argv: Sequence[str] | None = None) -> None:
     app.run(main_with_stage_fields, argv=argv)
 
 
+# Shorter compilations cost little next to a start; loading a stored one took 0.04-0.09 s (2 cores).
+MIN_CACHED_COMPILE_SECONDS = 0.5
+
+
 def enable_compilation_cache(config) -> str | None:
     """Turns on JAX's persistent compilation cache in `config.compilation_cache_dir` ('' = off;
     the JAX_COMPILATION_CACHE_DIR environment variable, when set, wins). Every process of a run
@@ -273,10 +277,6 @@ def enable_compilation_cache(config) -> str | None:
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
     return cache_dir
-
-
-# Shorter compilations cost little next to a start; loading a stored one took 0.04-0.09 s (2 cores).
-MIN_CACHED_COMPILE_SECONDS = 0.5
 
 
 _ASSIGNMENT = re.compile(r"^\s*config\.([\w.]+)\s*=\s*(.*?)\s*(?:#\s*(.*))?$")
