@@ -1,6 +1,6 @@
 """Where a decode step's time goes: a per-op profile of the engine's decode loop, by model part.
 
-  python benchmarks/decode_profile.py [--rows 8] [--temperature 0] [--options small_batch] [--calls 10]
+  python benchmarks/decode_profile.py [--rows 8] [--temperature 0] [--options small_batch] [--calls 10] [--top_ops 12]
 
 Builds the sampler benchmark's engine (`sampler_throughput.py`: Qwen3-style, 2 layers, d=256,
 vocabulary 8192, float32; cache 96, 16 steps per call) with `rows` slots, all decoding, times its
@@ -129,7 +129,7 @@ def untraced_waits(ops: list[tuple[float, float, str]], in_loop) -> tuple[dict[s
     return waits, outside
 
 
-def profile(rows: int, temperature: float, options: str, calls: int) -> None:
+def profile(rows: int, temperature: float, options: str, calls: int, top_ops: int = 12) -> None:
     config = models.ModelConfig(**MODEL)
     params = models.init_params(config, jax.random.PRNGKey(0))
     engine = _engine(config, params, rows, 16, 64, decode_compiler_options=engine_lib.DECODE_OPTION_SETS[options])
@@ -189,7 +189,7 @@ def profile(rows: int, temperature: float, options: str, calls: int) -> None:
     print(f"| all ops | {sum(by_part.values()) / steps:.1f} | {sum(wait_by_part.values()) / steps:.1f} | "
           f"{total / steps:.1f} | |\n\nbetween generate calls (outside the loop, no op running): {outside / steps:.1f} us per step\n")
     print("| op | us per step (traced) | untraced wait after it | JAX operation |\n|---|---|---|---|")
-    for name in sorted(by_op, key=lambda n: -(by_op[n] + waits.get(n, 0.0)))[:12]:
+    for name in sorted(by_op, key=lambda n: -(by_op[n] + waits.get(n, 0.0)))[:top_ops]:
         print(f"| {name} | {by_op[name] / steps:.1f} | {waits.get(name, 0.0) / steps:.1f} | {names[name][-80:]} |")
     threads = sorted(per_thread, key=lambda t: -len(per_thread[t]))[:2]
     unions = {t: _union(per_thread[t]) for t in threads}
@@ -207,8 +207,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the sampler benchmark's)")
     parser.add_argument("--options", default="small_batch", choices=sorted(engine_lib.DECODE_OPTION_SETS))
     parser.add_argument("--calls", type=int, default=10, help="generate calls traced")
+    parser.add_argument("--top_ops", type=int, default=12, help="ops listed in the per-op table")
     args = parser.parse_args()
-    profile(args.rows, args.temperature, args.options, args.calls)
+    profile(args.rows, args.temperature, args.options, args.calls, args.top_ops)
 
 
 if __name__ == "__main__":
