@@ -1,6 +1,7 @@
 """Where a decode step's time goes: a per-op profile of the engine's decode loop, by model part.
 
   python benchmarks/decode_profile.py [--rows 8] [--temperature 0] [--options small_batch] [--calls 10] [--top_ops 12]
+      [--model default]   # configs/calculator_tiny.py's model instead of the sampler benchmark's
 
 Builds the sampler benchmark's engine (`sampler_throughput.py`: Qwen3-style, 2 layers, d=256,
 vocabulary 8192, float32; cache 96, 16 steps per call) with `rows` slots, all decoding, times its
@@ -47,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from learner_step import model_config  # noqa: E402
 from sampler_throughput import MODEL, _engine  # noqa: E402
 
 from jaxrl_agent import models  # noqa: E402
@@ -129,8 +131,8 @@ def untraced_waits(ops: list[tuple[float, float, str]], in_loop) -> tuple[dict[s
     return waits, outside
 
 
-def profile(rows: int, temperature: float, options: str, calls: int, top_ops: int = 12) -> None:
-    config = models.ModelConfig(**MODEL)
+def profile(rows: int, temperature: float, options: str, calls: int, top_ops: int = 12, model: str = "benchmark") -> None:
+    config = models.ModelConfig(**MODEL) if model == "benchmark" else model_config("default")
     params = models.init_params(config, jax.random.PRNGKey(0))
     engine = _engine(config, params, rows, 16, 64, decode_compiler_options=engine_lib.DECODE_OPTION_SETS[options])
     state = engine.init_decode_state()
@@ -208,8 +210,10 @@ def main() -> None:
     parser.add_argument("--options", default="small_batch", choices=sorted(engine_lib.DECODE_OPTION_SETS))
     parser.add_argument("--calls", type=int, default=10, help="generate calls traced")
     parser.add_argument("--top_ops", type=int, default=12, help="ops listed in the per-op table")
+    parser.add_argument("--model", choices=("benchmark", "default"), default="benchmark",
+                        help="benchmark: the sampler benchmark's model; default: configs/calculator_tiny.py's")
     args = parser.parse_args()
-    profile(args.rows, args.temperature, args.options, args.calls, args.top_ops)
+    profile(args.rows, args.temperature, args.options, args.calls, args.top_ops, args.model)
 
 
 if __name__ == "__main__":

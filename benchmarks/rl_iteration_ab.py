@@ -4,9 +4,11 @@ Each variant is `label:tree[:key=value,key=value]` — a source tree (this check
 commit's worktree) and config overrides. Every run is the README's default command with
 `rl.iterations=N`, no time budget and evaluation only at the ends, launched in a subprocess from
 its tree (PYTHONPATH=tree, so that tree's package is imported); variants alternate within each
-round, so drift of the host's speed hits all of them alike. The iteration time is the wall time
-between consecutive `rl` records (everything an iteration does); the first `--skip` iterations
-(compilation) are left out.
+round, and every other round runs them in reverse order (A B, B A, ...), so that drift of the
+host's speed hits all of them alike (in one order, the second of two identical variants ran ~5%
+slower, learner time included). The iteration time is the wall time between consecutive `rl`
+records (everything an iteration does); the first `--skip` iterations (compilation) are left out.
+The table also gives the medians of the sampler's admission (prefill / extend) and decode seconds.
 
   git worktree add /tmp/base <commit>
   python benchmarks/rl_iteration_ab.py --variant base:/tmp/base --variant new:. --rounds 2
@@ -59,7 +61,7 @@ def main(argv=None):
     results: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     rows = []
     for round_index in range(args.rounds):
-        for label, tree, overrides in variants:
+        for label, tree, overrides in (variants if round_index % 2 == 0 else variants[::-1]):
             with tempfile.TemporaryDirectory() as workdir:
                 started = time.time()
                 records = run_once(tree, overrides, args.iterations, workdir)
@@ -70,12 +72,15 @@ def main(argv=None):
             rows.append((round_index + 1, label, float(np.median(seconds)),
                          float(np.median([r["sample_seconds"] for r in rl])),
                          float(np.median([r["learn_seconds"] for r in rl])), time.time() - started,
-                         summary.get("gain_points", float("nan"))))
+                         summary.get("gain_points", float("nan")),
+                         float(np.median([r.get("sampler_admit_seconds", np.nan) for r in rl])),
+                         float(np.median([r.get("sampler_decode_seconds", np.nan) for r in rl]))))
             print(f"round {round_index + 1} {label}: median iteration {rows[-1][2]:.3f} s", flush=True)
-    print(f"\n{'round':>5} {'variant':>12} {'iteration s':>12} {'sample s':>9} {'learn s':>8} {'run s':>7} "
-          f"{'gain':>6}")
+    print(f"\n{'round':>5} {'variant':>12} {'iteration s':>12} {'sample s':>9} {'admit s':>8} {'decode s':>9} "
+          f"{'learn s':>8} {'run s':>7} {'gain':>6}")
     for row in rows:
-        print(f"{row[0]:>5} {row[1]:>12} {row[2]:>12.3f} {row[3]:>9.3f} {row[4]:>8.3f} {row[5]:>7.0f} {row[6]:>6.1f}")
+        print(f"{row[0]:>5} {row[1]:>12} {row[2]:>12.3f} {row[3]:>9.3f} {row[7]:>8.3f} {row[8]:>9.3f} {row[4]:>8.3f} "
+              f"{row[5]:>7.0f} {row[6]:>6.1f}")
     base = variants[0][0]
     print(f"\nmedian over rounds, and the ratio to {base!r} (per round, then median):")
     for label, _, _ in variants:
