@@ -116,7 +116,8 @@ def _sample_from(z: jax.Array, greedy: jax.Array, uniforms, *, draw: bool) -> tu
     if draw:
         tokens = jnp.where(greedy, tokens, draw_from_weights(weights, uniforms()).astype(tokens.dtype))
     tokens = tokens.astype(jnp.int32)
-    # log softmax(z)[token] = (z_token - top) - log sum exp(z - top), as jax.nn.log_softmax rounds it.
+    # log softmax(z)[token] = (z_token - top) - log sum exp(z - top), as jax.nn.log_softmax computes it
+    # (at few rows the sum is added pairwise: `_reduce_rows`).
     log_total = jnp.log(_reduce_rows(weights, jnp.add, jnp.sum))
     return tokens, (jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_total
 
@@ -138,9 +139,9 @@ def sample_tokens(
     logits / temperature. The batch takes one of three branches, so that the common cases spend no
     [B, V] pass on a division by 1, a filter that is off, or a draw no row takes: every row greedy
     (the argmax); no filter and every sampling row at temperature 1 (x / 1 == x exactly, so z is the
-    logits: RL's default); anything else. The first two cut the sampler benchmark's 8-row decode
-    step by ~4% and ~6% (`benchmarks/RESULTS.md`); a fourth branch of its own for the filters cost
-    compile time and gained nothing.
+    logits: RL's default); anything else. With the folded reductions they cut the sampler
+    benchmark's 8-row decode step by 4-6% (`benchmarks/RESULTS.md`); a fourth branch of its own for
+    the filters cost compile time and gained nothing.
     """
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
@@ -151,6 +152,7 @@ def sample_tokens(
     # One uniform per row (inverse-CDF sampling).
     uniforms = (lambda: jax.vmap(lambda key: jax.random.uniform(key, (1,))[0])(rng)) if per_row \
         else (lambda: jax.random.uniform(rng, (logits.shape[0],)))
+
     def general():  # tempered and/or filtered rows: z is built first, then sampled
         z = jax.lax.cond(needs_filter,
                          lambda: jnp.where(greedy[:, None], logits, filter_logits(logits / divisor, top_k, top_p)),
