@@ -47,6 +47,31 @@ def iteration_seconds(records: list[dict], skip: int) -> np.ndarray:
     return np.diff(times)[skip:]
 
 
+# The table's columns after round and variant: (heading, width, format), a run's medians by heading.
+COLUMNS = (("iteration s", 12, ".3f"), ("sample s", 9, ".3f"), ("admit s", 8, ".3f"), ("decode s", 9, ".3f"),
+           ("learn s", 8, ".3f"), ("run s", 7, ".0f"), ("gain", 6, ".1f"))
+_MEDIAN_OF = {"sample s": "sample_seconds", "admit s": "sampler_admit_seconds",
+              "decode s": "sampler_decode_seconds", "learn s": "learn_seconds"}
+
+
+def run_medians(records: list[dict], skip: int) -> dict[str, float]:
+    """One run's table row but its wall time ('run s'): the median iteration time and the medians
+    of the `rl` records' sampling, admission, decode and learner seconds past the first `skip`
+    iterations (NaN where a record lacks one), and the summary's gain in points (NaN without one)."""
+    rl = [r for r in records if r["stage"] == "rl"][skip + 1:]
+    summary = next((r for r in records if r["stage"] == "summary"), {})
+    row = {"iteration s": float(np.median(iteration_seconds(records, skip)))}
+    row.update({heading: float(np.median([r.get(key, np.nan) for r in rl])) for heading, key in _MEDIAN_OF.items()})
+    row["gain"] = float(summary.get("gain_points", np.nan))
+    return row
+
+
+def round_order(variants: list, round_index: int) -> list:
+    """The variants in the order round `round_index` (from 0) runs them: as given, reversed every
+    other round."""
+    return list(variants) if round_index % 2 == 0 else list(variants)[::-1]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", action="append", required=True, help="label:tree[:key=value,...]")
@@ -61,26 +86,18 @@ def main(argv=None):
     results: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     rows = []
     for round_index in range(args.rounds):
-        for label, tree, overrides in (variants if round_index % 2 == 0 else variants[::-1]):
+        for label, tree, overrides in round_order(variants, round_index):
             with tempfile.TemporaryDirectory() as workdir:
                 started = time.time()
                 records = run_once(tree, overrides, args.iterations, workdir)
-            seconds = iteration_seconds(records, args.skip)
-            rl = [r for r in records if r["stage"] == "rl"][args.skip + 1:]
-            summary = next((r for r in records if r["stage"] == "summary"), {})
-            results[label].append(float(np.median(seconds)))
-            rows.append((round_index + 1, label, float(np.median(seconds)),
-                         float(np.median([r["sample_seconds"] for r in rl])),
-                         float(np.median([r["learn_seconds"] for r in rl])), time.time() - started,
-                         summary.get("gain_points", float("nan")),
-                         float(np.median([r.get("sampler_admit_seconds", np.nan) for r in rl])),
-                         float(np.median([r.get("sampler_decode_seconds", np.nan) for r in rl]))))
-            print(f"round {round_index + 1} {label}: median iteration {rows[-1][2]:.3f} s", flush=True)
-    print(f"\n{'round':>5} {'variant':>12} {'iteration s':>12} {'sample s':>9} {'admit s':>8} {'decode s':>9} "
-          f"{'learn s':>8} {'run s':>7} {'gain':>6}")
+            row = {"round": round_index + 1, "variant": label, **run_medians(records, args.skip),
+                   "run s": time.time() - started}
+            results[label].append(row["iteration s"])
+            rows.append(row)
+            print(f"round {round_index + 1} {label}: median iteration {row['iteration s']:.3f} s", flush=True)
+    print("\n" + f"{'round':>5} {'variant':>12} " + " ".join(f"{h:>{w}}" for h, w, _ in COLUMNS))
     for row in rows:
-        print(f"{row[0]:>5} {row[1]:>12} {row[2]:>12.3f} {row[3]:>9.3f} {row[7]:>8.3f} {row[8]:>9.3f} {row[4]:>8.3f} "
-              f"{row[5]:>7.0f} {row[6]:>6.1f}")
+        print(f"{row['round']:>5} {row['variant']:>12} " + " ".join(f"{row[h]:>{w}{f}}" for h, w, f in COLUMNS))
     base = variants[0][0]
     print(f"\nmedian over rounds, and the ratio to {base!r} (per round, then median):")
     for label, _, _ in variants:
