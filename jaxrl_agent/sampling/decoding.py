@@ -140,7 +140,7 @@ def sample_tokens(
     [B, V] pass on a division by 1, a filter that is off, or a draw no row takes: every row greedy
     (the argmax); no filter and every sampling row at temperature 1 (x / 1 == x exactly, so z is the
     logits: RL's default); anything else. With the folded reductions they cut the sampler
-    benchmark's 8-row decode step by 4-6% (`benchmarks/RESULTS.md`); a fourth branch of its own for
+    benchmark's 8-row decode step by 3-6% (`benchmarks/RESULTS.md`); a fourth branch of its own for
     the filters cost compile time and gained nothing.
     """
     logits = logits.astype(jnp.float32)
