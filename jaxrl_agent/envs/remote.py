@@ -13,8 +13,9 @@ Rules the server enforces:
   * at most `max_connections` connections; one idle for `idle_timeout_s` is closed; a request
     running longer than `request_timeout_s` gets an error reply; requests run on the server's own
     `request_threads` threads, so hanging steps hold only their own;
-  * a line over `max_line_bytes` or one that is not a JSON request gets an error reply; the server
-    goes on serving;
+  * a line over `MAX_LINE_BYTES` or one that is not a JSON request gets an error reply and the
+    connection goes on (an over-long line is read through its newline and dropped, up to
+    `MAX_DISCARD_BYTES`; past that the connection is closed);
   * given an `ssl_context` (`jaxrl-agent env-server --tls_cert_file/--tls_key_file`), TLS only;
     trainers then connect with `env.tls_ca_file`.
 """
@@ -36,6 +37,47 @@ from jaxrl_agent.envs.pool import EnvPool, EnvServiceError
 _METHODS = ("reset", "step", "close_episode", "worker_pids", "episode_worker_pid", "stats", "num_workers",
             "ensure_workers")
 MAX_LINE_BYTES = 16 * 2**20
+# An over-long request line is read through to its newline and dropped, so that the error reply
+# reaches the client (closing a socket with unread bytes sends a reset, which loses the reply) and
+# the connection stays in step. A line still going past this many bytes closes the connection.
+MAX_DISCARD_BYTES = 256 * 2**20
+
+
+class _OverlongLine(Exception):
+    """A request line over the reader's limit; `dropped`: its bytes, read and thrown away;
+    `complete`: whether its newline was reached (the connection is still in step)."""
+
+    def __init__(self, dropped: int, complete: bool):
+        super().__init__(dropped, complete)
+        self.dropped, self.complete = dropped, complete
+
+
+async def _read_line(reader: asyncio.StreamReader, max_discard: int = MAX_DISCARD_BYTES) -> bytes:
+    """The next line (b'' at end of stream; a last line without a newline as it is). A line over the
+    reader's limit raises `_OverlongLine` after it has been read through its newline and dropped, or
+    after `max_discard` bytes of it or the end of the stream (then `complete` is False)."""
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as err:
+        return err.partial
+    except asyncio.LimitOverrunError as err:
+        pending = err.consumed  # bytes of the line in the buffer before its newline (if found)
+    dropped = 0
+    while True:
+        try:
+            await reader.readexactly(pending)
+        except asyncio.IncompleteReadError as err:
+            raise _OverlongLine(dropped + len(err.partial), complete=False) from None
+        dropped += pending
+        if dropped > max_discard:
+            raise _OverlongLine(dropped, complete=False)
+        try:
+            dropped += len(await reader.readuntil(b"\n"))
+            raise _OverlongLine(dropped, complete=True)
+        except asyncio.IncompleteReadError as err:
+            raise _OverlongLine(dropped + len(err.partial), complete=False) from None
+        except asyncio.LimitOverrunError as err:
+            pending = err.consumed
 
 
 class _Connection:
@@ -114,13 +156,16 @@ class _Server:
         try:
             while True:
                 try:
-                    line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
+                    line = await asyncio.wait_for(_read_line(reader), self.idle_timeout_s)
                 except asyncio.TimeoutError:
                     self.stats["idle_closed"] += 1
                     break
-                except ValueError:  # a line over the reader's limit (the buffer is dropped)
+                except _OverlongLine as err:  # read through and dropped: the reply reaches the client
                     self.stats["oversize"] += 1
-                    await self._reply(writer, None, error=f"request over {MAX_LINE_BYTES} bytes")
+                    await self._reply(writer, None, error=f"request over {MAX_LINE_BYTES} bytes (dropped "
+                                                          f"{err.dropped} bytes of it)")
+                    if err.complete:
+                        continue
                     break
                 if not line:
                     break
@@ -231,10 +276,14 @@ class RemoteEnvPool:
             self._ids += 1
             request_id = self._ids
         own = connection is None
+        request = (json.dumps({"id": request_id, "method": method, "params": params, "token": self.token})
+                   + "\n").encode()
+        if len(request) > MAX_LINE_BYTES:
+            raise EnvServiceError(f"{method} request of {len(request)} bytes: the env server takes requests of at "
+                                  f"most {MAX_LINE_BYTES} bytes")
         sock, reader = connection or self._connection()
         try:
-            sock.sendall((json.dumps({"id": request_id, "method": method, "params": params, "token": self.token})
-                          + "\n").encode())
+            sock.sendall(request)
             line = reader.readline()
         except OSError as err:
             _close((sock, reader))

@@ -2,6 +2,7 @@
 and freed with it, connection limits, idle timeouts, and bad input answered without harm."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -109,6 +110,7 @@ def test_500_idle_connections_and_a_17_mib_line_still_leave_requests_served(serv
     big[0].sendall(b'{"id": 1, "method": "reset", "params": {"x": "' + b"a" * (17 * 2**20) + b'"}}\n')
     reply = json.loads(big[1].readline())
     assert "request over" in reply["error"]
+    assert _request(big, "num_workers")["result"] == 1  # the line was read through: the connection is in step
     garbage = _connect(server)
     garbage[0].sendall(b"\x00\xffnot json\n")
     assert "bad request" in json.loads(garbage[1].readline())["error"]
@@ -120,6 +122,51 @@ def test_500_idle_connections_and_a_17_mib_line_still_leave_requests_served(serv
     for sock, reader in idle:
         reader.close()
         sock.close()
+
+
+def _lines(data: bytes, limit: int, max_discard: int, chunk: int = 5):
+    """What `remote._read_line` makes of `data` fed in `chunk`-byte pieces to a reader of `limit`."""
+    async def run():
+        reader = asyncio.StreamReader(limit=limit)
+        for start in range(0, len(data), chunk):
+            reader.feed_data(data[start:start + chunk])
+        reader.feed_eof()
+        out = []
+        while True:
+            try:
+                line = await remote._read_line(reader, max_discard)
+            except remote._OverlongLine as err:
+                out.append(("overlong", err.dropped, err.complete))
+                if not err.complete:
+                    return out
+                continue
+            if not line:
+                return out
+            out.append(line)
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_an_overlong_line_is_dropped_through_its_newline_and_the_next_line_is_read(chunk):
+    data = b"ok\n" + b"x" * 40 + b"\n" + b"next\n" + b"y" * 17 + b"\n" + b"last"
+    assert _lines(data, limit=16, max_discard=1000, chunk=chunk) == [
+        b"ok\n", ("overlong", 41, True), b"next\n", ("overlong", 18, True), b"last"]
+
+
+def test_an_overlong_line_past_the_discard_cap_or_cut_by_the_end_of_stream_is_incomplete():
+    [(kind, dropped, complete)] = _lines(b"x" * 500 + b"\nafter\n", limit=16, max_discard=100)
+    assert kind == "overlong" and dropped > 100 and complete is False
+    assert _lines(b"x" * 50, limit=16, max_discard=1000) == [("overlong", 50, False)]
+
+
+def test_the_client_refuses_a_request_over_the_servers_line_limit_without_sending_it(server):
+    client = remote.RemoteEnvPool("127.0.0.1", server, timeout_s=30)
+    task = dataclasses.replace(envs.make("calculator").sample_task(0, 1), prompt="x" * (remote.MAX_LINE_BYTES + 1))
+    with pytest.raises(pool_lib.EnvServiceError, match=r"reset request of \d+ bytes: the env server takes requests "
+                                                       r"of at most 16777216 bytes"):
+        client.reset("calculator", task)
+    assert client.num_workers == 1
+    client.close()
 
 
 def test_connection_limit_and_idle_timeout():
