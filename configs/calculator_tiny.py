@@ -290,7 +290,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).
-    config.sft.batch_size = 64  # Fresh expert episodes per update (~0.9 s per update on 2 cores).
+    config.sft.batch_size = 64  # Fresh expert episodes per update (~0.2 s per update on 2 cores, model 207 host).
     config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
     config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.
@@ -305,8 +305,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.sft.delegate_share = 1.0
 
     config.rl = ml_collections.ConfigDict()
-    # Sample -> learn iterations (2.1-3.7 s each on 2 cores in process, by host): a cap; on slower
-    # 2-core hosts the time budget below ends RL first (140-230 iterations), on faster ones this cap.
+    # Sample -> learn iterations (1.0-1.3 s each on 2 cores in process on the model 207 host, 1.5-2.1 s
+    # on the hosts measured before; benchmarks/RESULTS.md): 5-9 minutes; the time budget below caps slower hosts.
     config.rl.iterations = 250
     config.rl.minibatches = 2  # Updates per iteration (the batch is split).
     config.rl.stop_after_trained_tokens = 0  # End RL once this many tokens were trained (0 = run all iterations).
