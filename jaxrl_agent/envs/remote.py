@@ -56,28 +56,22 @@ async def _read_line(reader: asyncio.StreamReader, max_discard: int = MAX_DISCAR
     """The next line (b'' at end of stream; a last line without a newline as it is). A line over the
     reader's limit raises `_OverlongLine` after it has been read through its newline and dropped, or
     after `max_discard` bytes of it or the end of the stream (then `complete` is False)."""
-    try:
-        return await reader.readuntil(b"\n")
-    except asyncio.IncompleteReadError as err:
-        return err.partial
-    except asyncio.LimitOverrunError as err:
-        pending = err.consumed  # bytes of the line in the buffer before its newline (if found)
-    dropped = 0
+    dropped = 0  # bytes of an over-long line read and thrown away so far
     while True:
         try:
-            await reader.readexactly(pending)
-        except asyncio.IncompleteReadError as err:
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as err:  # the end of the stream
+            if not dropped:
+                return err.partial
             raise _OverlongLine(dropped + len(err.partial), complete=False) from None
-        dropped += pending
-        if dropped > max_discard:
-            raise _OverlongLine(dropped, complete=False)
-        try:
-            dropped += len(await reader.readuntil(b"\n"))
-            raise _OverlongLine(dropped, complete=True)
-        except asyncio.IncompleteReadError as err:
-            raise _OverlongLine(dropped + len(err.partial), complete=False) from None
-        except asyncio.LimitOverrunError as err:
-            pending = err.consumed
+        except asyncio.LimitOverrunError as err:  # err.consumed bytes of the line are in the buffer
+            dropped += len(await reader.readexactly(err.consumed))
+            if dropped > max_discard:
+                raise _OverlongLine(dropped, complete=False) from None
+            continue
+        if not dropped:
+            return line
+        raise _OverlongLine(dropped + len(line), complete=True)
 
 
 class _Connection:
