@@ -40,6 +40,8 @@ engine_api, _, _, _, token_utils = import_jetstream()
 
 # Batched prefills pad their row count to a power of two at least this (fewer compiled shapes).
 MIN_PREFILL_ROWS = 8
+# ... and run their distinct prompts through the model in a power of two of rows, at least this.
+MIN_UNIQUE_ROWS = 2
 MIN_PREFILL_BUCKET = 16
 # `generate` decodes the first R slots only, R = B/8 or B/4 of the B slots, at least this.
 MIN_DECODE_ROWS = 8
@@ -57,6 +59,15 @@ def prefill_rows(n: int) -> int:
     """Rows of a batched prefill, extend or save call for n requests: a power of two, at least
     MIN_PREFILL_ROWS (each distinct row count compiles once)."""
     return max(MIN_PREFILL_ROWS, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def unique_prefill_rows(unique: int, rows: int) -> int:
+    """Rows of the forward pass of a batched prefill of `rows` (padded) requests holding `unique`
+    distinct prompts: the power of two that holds them, at least MIN_UNIQUE_ROWS, at most `rows`.
+    A group's G episodes share a prompt, and mid-iteration admissions bring one or two groups' at
+    a time: an 8-row call of one or two distinct prompts then runs 2 prompt rows, not 8 (its
+    forward pass ~2.5x faster; each value is one more compiled shape per row count)."""
+    return min(rows, max(MIN_UNIQUE_ROWS, 1 << max(0, math.ceil(math.log2(max(unique, 1))))))
 
 
 def prefill_bucket(length: int) -> int:
@@ -317,6 +328,7 @@ class AgentEngine(engine_api.Engine):
         self._base_key = jax.random.PRNGKey(seed)
         self._prefill_fn, self._prefill_insert_fn, self._extend_insert_fn = _admission_fns(config)
         self._insert_fn, self._free_fn, self._save_fn = _INSERT_FN, _FREE_FN, _SAVE_FN
+        self._sample_insert_fn = _SAMPLE_INSERT_FN
         self._generate_key = (config, steps_per_call, self.max_steps_per_call, self.stop_token_ids)
         if decode_compiler_options is None:
             decode_compiler_options = tuple(DECODE_OPTION_SETS[name] for name in BUILTIN_DECODE_OPTIONS)
@@ -448,16 +460,21 @@ class AgentEngine(engine_api.Engine):
         unique = [prompts[source.index(u)] for u in range(len(first_of))]
         batch = self._batch_rows(prompts, lengths, bucket, samplings, slots)
         rows = batch["tokens"].shape[0]
-        # A quarter of the rows (a batch of whole groups of 4) or all of them: two compiled shapes
-        # per row count rather than one per power of two below it.
-        unique_rows = max(MIN_PREFILL_ROWS, rows // 4) if len(unique) <= max(MIN_PREFILL_ROWS, rows // 4) else rows
-        unique_tokens = np.full((unique_rows, bucket), self.tokenizer.pad_id, np.int32)
+        unique_tokens = np.full((unique_prefill_rows(len(unique), rows), bucket), self.tokenizer.pad_id, np.int32)
         for i, prompt in enumerate(unique):
             unique_tokens[i, :prompt.size] = prompt
         source = np.asarray(source + [0] * (rows - n), np.int32)  # padding rows read unique prompt 0
-        return self._prefill_insert_fn(params, decode_state, unique_tokens, source,
-                                       batch["true_lengths"], batch["counts"], batch["temperature"], batch["top_k"],
-                                       batch["top_p"], np.int32(version), batch["slots"], self._base_key)
+        decode_state, last = self._prefill_insert_fn(params, decode_state, unique_tokens, source,
+                                                     batch["true_lengths"], batch["slots"])
+        return self._sample_insert(decode_state, last, batch["true_lengths"], batch, version)
+
+    def _sample_insert(self, decode_state: DecodeState, last, positions, batch: dict[str, np.ndarray],
+                       version: int) -> DecodeState:
+        """Samples the batch's first tokens from `last` [R, V] and puts them, with each row's sampling
+        state and next `positions` [R], into the batch's slots."""
+        return self._sample_insert_fn(self._base_key, decode_state, last, positions, batch["counts"],
+                                      batch["temperature"], batch["top_k"], batch["top_p"], np.int32(version),
+                                      batch["slots"])
 
     def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, np.ndarray]:
         """Right-pads `token_rows` to [R, bucket] for a power-of-two R >= MIN_PREFILL_ROWS (each
@@ -512,11 +529,11 @@ class AgentEngine(engine_api.Engine):
         batch = self._batch_rows(suffixes, lengths, self.bucket_length(max(lengths)), samplings, slots)
         pad = batch["pad"]
         window = self.copy_window(max(start + length for start, length in zip(starts, lengths)))
-        return self._extend_insert_fn(
-            params, decode_state, np.asarray(list(entries) + [0] * pad, np.int32),
-            np.asarray(list(starts) + [0] * pad, np.int32), batch["tokens"], batch["true_lengths"],
-            batch["counts"], batch["temperature"], batch["top_k"], batch["top_p"], np.int32(version),
-            batch["slots"], self._base_key, window=window)
+        starts = np.asarray(list(starts) + [0] * pad, np.int32)
+        decode_state, last = self._extend_insert_fn(
+            params, decode_state, np.asarray(list(entries) + [0] * pad, np.int32), starts, batch["tokens"],
+            batch["true_lengths"], batch["slots"], window=window)
+        return self._sample_insert(decode_state, last, starts + batch["true_lengths"], batch, version)
 
     def save_prefixes(self, decode_state: DecodeState, slots: Sequence[int], entries: Sequence[int], *,
                       length: int | None = None) -> DecodeState:
@@ -660,10 +677,11 @@ class AgentEngine(engine_api.Engine):
 
 @functools.cache
 def _admission_fns(config: models.ModelConfig) -> tuple[Callable, Callable, Callable]:
-    """The jitted (prefill, batched prefill + insert, extend + insert) of a model, one per config."""
+    """The jitted (prefill, batched prefill forward + cache insert, extend forward + cache insert) of
+    a model, one per config. The batched two leave sampling to `_SAMPLE_INSERT_FN`."""
     return (jax.jit(functools.partial(_prefill, config)),
-            jax.jit(functools.partial(_prefill_insert_many, config), donate_argnums=(1,)),
-            jax.jit(functools.partial(_extend_insert_many, config), donate_argnums=(1,), static_argnames=("window",)))
+            jax.jit(functools.partial(_prefill_forward_insert, config), donate_argnums=(1,)),
+            jax.jit(functools.partial(_extend_forward_insert, config), donate_argnums=(1,), static_argnames=("window",)))
 
 
 @functools.cache
@@ -684,25 +702,25 @@ def _prefill(config, params, tokens, true_length, rng, temperature, top_k, top_p
                   version=version, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def _prefill_insert_many(config, params, state: DecodeState, unique_tokens, source, true_lengths, counts,
-                         temperature, top_k, top_p, version, slots, base_key) -> DecodeState:
+def _prefill_forward_insert(config, params, state: DecodeState, unique_tokens, source, true_lengths,
+                            slots) -> tuple[DecodeState, jax.Array]:
     """unique_tokens [U, P] right-padded distinct prompts; row i of the batch is prompt source[i]
-    (source, true_lengths, counts (per-row RNG stream) and slots are [N]; a slot >= B drops the
-    row). Same sampling per row as `_prefill` with that row's key."""
+    (source, true_lengths and slots are [N]; a slot >= B drops the row). Puts each row's keys/values
+    into its slot; returns the state and the logits at each row's last prompt token [N, V]."""
     p = unique_tokens.shape[1]
     cache = models.init_cache(config, unique_tokens.shape[0], p)
     last, cache = models.prefill(config, params, unique_tokens, cache, at=source * p + true_lengths - 1)  # [N, V]
     rows = models.KVCache(*(tuple(c[source] for c in caches) for caches in (cache.k, cache.v)))
-    return _sample_and_insert(base_key, state, last, rows, true_lengths, counts, temperature, top_k, top_p, version,
-                              slots)
+    return state.replace(cache=state.cache.put_rows(rows, slots)), last
 
 
-def _extend_insert_many(config, params, state: DecodeState, entries, starts, tokens, true_lengths, counts,
-                        temperature, top_k, top_p, version, slots, base_key, window: int) -> DecodeState:
+def _extend_forward_insert(config, params, state: DecodeState, entries, starts, tokens, true_lengths, slots,
+                           window: int) -> tuple[DecodeState, jax.Array]:
     """Rows start from prefix-cache entries [N] holding `starts` [N] positions; tokens [N, T] (the
-    right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them.
-    Only the entries' first `window` positions (static; starts + true_lengths <= window) are
-    taken, attended over and put into the slots."""
+    right-padded suffixes, `true_lengths` [N]) run at positions starts + 0..T-1 on top of them, and
+    each row's keys/values go into its slot (a slot >= B drops the row). Only the entries' first
+    `window` positions (static; starts + true_lengths <= window) are taken, attended over and put
+    into the slots. Returns the state and the logits at each row's last suffix token [N, V]."""
     t = tokens.shape[1]
     # A padded suffix may run past the window's end; `extend` drops those writes (only padding).
     rows = models.KVCache(tuple(c[entries][..., :window] for c in state.pool.k),
@@ -710,8 +728,7 @@ def _extend_insert_many(config, params, state: DecodeState, entries, starts, tok
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     last, cache = models.extend(config, params, tokens, positions, rows,
                                 at=jnp.arange(tokens.shape[0]) * t + true_lengths - 1)  # [N, V]
-    return _sample_and_insert(base_key, state, last, cache, starts + true_lengths, counts, temperature, top_k, top_p,
-                              version, slots)
+    return state.replace(cache=state.cache.put_rows(cache, slots)), last
 
 
 def _save_prefixes(state: DecodeState, slots, entries, window: int) -> DecodeState:
@@ -724,11 +741,12 @@ def _save_prefixes(state: DecodeState, slots, entries, window: int) -> DecodeSta
     return state.replace(pool=models.KVCache(keys, values))
 
 
-def _sample_and_insert(base, state: DecodeState, last, cache, positions, counts, temperature, top_k, top_p, version,
-                       slots) -> DecodeState:
+def _sample_insert(base, state: DecodeState, last, positions, counts, temperature, top_k, top_p, version,
+                   slots) -> DecodeState:
     """Samples each row's first token from `last` [N, V] (the logits at its prompt's last token) and
-    puts the row's cache (length P <= S, copied into the slot's first P positions) and sampling
-    state into `slots`; `positions` [N] is where that first token will sit."""
+    puts the row's sampling state into `slots` (a slot >= B drops the row); `positions` [N] is where
+    that first token will sit. A program of its own, shared by batched prefills and extends of every
+    length: inside each of them, sampling was ~0.5 s of a ~1 s compile (benchmarks/RESULTS.md)."""
     n = last.shape[0]
     keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(counts)
     # One batched call (its filter / greedy branches decided once for all rows), per-row keys.
@@ -736,7 +754,6 @@ def _sample_and_insert(base, state: DecodeState, last, cache, positions, counts,
 
     at = lambda array, value: array.at[slots].set(value, mode="drop")
     return state.replace(
-        cache=state.cache.put_rows(cache, slots),
         next_token=at(state.next_token, token),
         next_logprob=at(state.next_logprob, logprob),
         next_version=at(state.next_version, jnp.broadcast_to(version, (n,))),
@@ -768,6 +785,7 @@ def _insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
 _INSERT_FN = jax.jit(_insert, donate_argnums=(1,))
 _FREE_FN = jax.jit(lambda state, mask: state.replace(active=state.active & ~mask), donate_argnums=(0,))
 _SAVE_FN = jax.jit(_save_prefixes, donate_argnums=(0,), static_argnames=("window",))
+_SAMPLE_INSERT_FN = jax.jit(_sample_insert, donate_argnums=(1,))
 
 
 def _generate(config, min_steps, max_steps, stop_ids, params, kernel, state: DecodeState, version, bound,

@@ -382,7 +382,8 @@ def test_a_fresh_decode_state_and_a_returned_one_share_one_compiled_program():
     # program for it).
     engine = _engine(steps_per_call=5)
     prompt = np.asarray(TOKENIZER.encode("Q: 1+2=?"), np.int32)
-    programs = lambda: (engine._generate_small_fn._cache_size(), engine._prefill_insert_fn._cache_size())
+    programs = lambda: (engine._generate_small_fn._cache_size(), engine._prefill_insert_fn._cache_size(),
+                        engine._sample_insert_fn._cache_size())
     state = engine.prefill_insert_many([prompt], [SamplingParams(temperature=0.0)], engine.init_decode_state(), [0])
     state, _ = engine.generate(None, state)
     fresh, _ = engine.generate(None, engine.init_decode_state())  # a fresh state straight into decoding
@@ -409,13 +410,50 @@ def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams
     real_fn = many._prefill_insert_fn
     many._prefill_insert_fn = lambda *args: calls.append(args[2].shape) or real_fn(*args)
     batched = many.prefill_insert_many(prompts, samplings, many.init_decode_state(), slots)
-    assert calls == [(8, 16)]  # 9 requests (16 rows padded), 2 distinct prompts of <= 16 tokens: 8 x 16 run
+    assert calls == [(2, 16)]  # 9 requests (16 rows padded), 2 distinct prompts of <= 16 tokens: 2 x 16 run
     for field in ("next_token", "next_logprob", "position", "active", "temperature"):
         np.testing.assert_allclose(np.asarray(getattr(batched, field)), np.asarray(getattr(state, field)),
                                    atol=1e-5, err_msg=field)
     for x, y in zip(_by_position(batched.cache), _by_position(state.cache)):
         for prompt, slot in zip(prompts, slots):
             np.testing.assert_allclose(x[slot, :, :len(prompt)], y[slot, :, :len(prompt)], atol=1e-5)
+
+
+def test_a_batched_prefill_runs_its_distinct_prompts_in_a_power_of_two_of_rows():
+    """A group's episodes share one prompt: the forward pass takes the distinct prompts, padded to
+    a power of two of rows (at least 2, at most the call's padded rows), not every request's."""
+    from jaxrl_agent.sampling.engine import unique_prefill_rows
+    assert [unique_prefill_rows(u, 8) for u in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
+    assert [unique_prefill_rows(u, 32) for u in (1, 3, 6, 9, 17, 32)] == [2, 4, 8, 16, 32, 32]
+    for rows in (8, 16, 32, 64):
+        for unique in range(1, rows + 1):
+            got = unique_prefill_rows(unique, rows)
+            assert unique <= got <= rows and got & (got - 1) == 0 and (got == 2 or got < 2 * unique), (unique, rows)
+
+
+def test_batched_prefills_and_extends_of_a_row_count_share_one_sampling_program():
+    """Sampling the first token is a program of its own, compiled once per padded row count and
+    shared by prefills and extends of every length (inside each of their programs it was half of a
+    ~1 s compile). What it samples is checked against one-by-one prefills and full prefills above
+    and in test_prefix_cache."""
+    engine = _engine(max_concurrent_decodes=8, max_prefill_length=64, max_cache_length=128, prefix_cache_entries=4)
+    sample_programs = engine_lib._SAMPLE_INSERT_FN._cache_size
+    rows_sampled = []
+    engine._sample_insert_fn = lambda key, state, last, *rest: (
+        rows_sampled.append(last.shape) or engine_lib._SAMPLE_INSERT_FN(key, state, last, *rest))
+    before = sample_programs()
+    greedy = SamplingParams(temperature=0.0)
+    short = np.asarray(TOKENIZER.encode("Q: 1+2=?"), np.int32)
+    long = np.asarray(TOKENIZER.encode(PROMPTS[2]), np.int32)
+    state = engine.prefill_insert_many([short, short], [greedy] * 2, engine.init_decode_state(), [0, 1])
+    added = sample_programs() - before  # 0 when an earlier test compiled this shape already
+    assert added <= 1
+    state = engine.prefill_insert_many([long], [greedy], state, [2])  # another token bucket
+    state = engine.save_prefixes(state, [0], [0], length=len(short) + 1)
+    state = engine.extend_insert_many([0], [len(short)], [long[:20]], [greedy], state, [3])
+    assert rows_sampled == [(8, CONFIG.vocab_size)] * 3
+    assert sample_programs() - before == added
+    assert bool(state.active[3]) and int(state.position[3]) == len(short) + 20
 
 
 def test_per_row_keys_draw_what_each_row_would_draw_alone():
