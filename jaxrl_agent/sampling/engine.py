@@ -40,7 +40,7 @@ engine_api, _, _, _, token_utils = import_jetstream()
 
 # Batched prefills pad their row count to a power of two at least this (fewer compiled shapes).
 MIN_PREFILL_ROWS = 8
-# ... and run their distinct prompts through the model in a power of two of rows, at least this.
+# ... and run their distinct prompts through the model in this many rows when they fit (`unique_prefill_rows`).
 MIN_UNIQUE_ROWS = 2
 MIN_PREFILL_BUCKET = 16
 # `generate` decodes the first R slots only, R = B/8 or B/4 of the B slots, at least this.
@@ -63,11 +63,15 @@ def prefill_rows(n: int) -> int:
 
 def unique_prefill_rows(unique: int, rows: int) -> int:
     """Rows of the forward pass of a batched prefill of `rows` (padded) requests holding `unique`
-    distinct prompts: the power of two that holds them, at least MIN_UNIQUE_ROWS, at most `rows`.
-    A group's G episodes share a prompt, and mid-iteration admissions bring one or two groups' at
-    a time: an 8-row call of one or two distinct prompts then runs 2 prompt rows, not 8 (its
-    forward pass ~2.5x faster; each value is one more compiled shape per row count)."""
-    return min(rows, max(MIN_UNIQUE_ROWS, 1 << max(0, math.ceil(math.log2(max(unique, 1))))))
+    distinct prompts: MIN_UNIQUE_ROWS when they fit, else a quarter of the rows (a batch of whole
+    groups of 4; at least MIN_PREFILL_ROWS) when they fit, else all of them. A group's G episodes
+    share a prompt; mid-iteration admissions bring one or two groups' at a time, and an 8-row call
+    of one or two distinct prompts then runs 2 prompt rows, not 8 (its forward pass ~2.5x faster).
+    Three values per row count: each is one more compiled shape (the default run's 8-row calls had
+    1-2 distinct prompts in 2 of 3 calls, 3-4 in most of the rest; 2, 4, 8 ... cost more to compile
+    than they saved; benchmarks/RESULTS.md)."""
+    quarter = max(MIN_PREFILL_ROWS, rows // 4)
+    return min(rows, MIN_UNIQUE_ROWS if unique <= MIN_UNIQUE_ROWS else quarter if unique <= quarter else rows)
 
 
 def prefill_bucket(length: int) -> int:

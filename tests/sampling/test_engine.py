@@ -419,16 +419,15 @@ def test_identical_prompts_are_prefilled_once_and_sampled_with_their_own_streams
             np.testing.assert_allclose(x[slot, :, :len(prompt)], y[slot, :, :len(prompt)], atol=1e-5)
 
 
-def test_a_batched_prefill_runs_its_distinct_prompts_in_a_power_of_two_of_rows():
-    """A group's episodes share one prompt: the forward pass takes the distinct prompts, padded to
-    a power of two of rows (at least 2, at most the call's padded rows), not every request's."""
+def test_a_batched_prefill_runs_its_distinct_prompts_in_two_rows_a_quarter_or_all():
+    """A group's episodes share one prompt: the forward pass takes the distinct prompts in 2 rows
+    when they fit, else in a quarter of the call's padded rows (at least 8), else in all of them."""
     from jaxrl_agent.sampling.engine import unique_prefill_rows
-    assert [unique_prefill_rows(u, 8) for u in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
-    assert [unique_prefill_rows(u, 32) for u in (1, 3, 6, 9, 17, 32)] == [2, 4, 8, 16, 32, 32]
+    assert [unique_prefill_rows(u, 8) for u in (1, 2, 3, 4, 5, 8)] == [2, 2, 8, 8, 8, 8]
+    assert [unique_prefill_rows(u, 16) for u in (2, 3, 8, 9, 16)] == [2, 8, 8, 16, 16]
+    assert [unique_prefill_rows(u, 64) for u in (1, 3, 16, 17, 64)] == [2, 16, 16, 64, 64]
     for rows in (8, 16, 32, 64):
-        for unique in range(1, rows + 1):
-            got = unique_prefill_rows(unique, rows)
-            assert unique <= got <= rows and got & (got - 1) == 0 and (got == 2 or got < 2 * unique), (unique, rows)
+        assert {unique_prefill_rows(u, rows) for u in range(1, rows + 1)} == {2, max(8, rows // 4), rows}
 
 
 def test_batched_prefills_and_extends_of_a_row_count_share_one_sampling_program():
