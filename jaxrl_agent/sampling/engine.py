@@ -447,10 +447,12 @@ class AgentEngine(engine_api.Engine):
         Equivalent to `insert(prefill(...), state, slot)` per prompt (same tokens, log-probs and
         cache contents), but one forward pass for all: with hundreds of short requests, per-request
         prefill dominated the sampler's time on CPU. Identical prompts (a group's G episodes all
-        start from the task's prompt) run through the model once; each row still samples its first
-        token with its own random stream. The batch is padded to a power-of-two count of rows (at
-        least 8; padded rows are dropped) and to a `prefill_bucket` of tokens, so that few shapes
-        are ever compiled. `params_version` (from `current_params()`) pins the weights used.
+        start from the task's prompt) run through the model once, in `unique_prefill_rows` rows;
+        each row still samples its first token with its own random stream, in the sampling program
+        shared by every batched admission of its row count (`_sample_insert`). The batch is padded
+        to a power-of-two count of rows (at least 8; padded rows are dropped) and to a
+        `prefill_bucket` of tokens, so that few shapes are ever compiled. `params_version` (from
+        `current_params()`) pins the weights used.
         """
         n = len(prompts)
         if not n == len(samplings) == len(slots):
