@@ -15,6 +15,7 @@ own code ends that episode with `"env_error"` and leaves the worker running.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -24,13 +25,16 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Mapping, Protocol, Sequence
+import weakref
+from typing import Any, Generator, Mapping, Protocol, Sequence
 
 from jaxrl_agent.envs import api
 
 
 class EnvService(Protocol):
-    """What the rollout layer needs from an environment service (local or remote)."""
+    """What the rollout layer needs from an environment service (local or remote). A service may
+    also offer `areset` / `astep` / `aclose_episode`, the same calls as coroutines for an event
+    loop (`EnvPool` does: no thread per call); `rollout.ServiceEnv` uses them where they exist."""
 
     def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
               ) -> tuple[str, api.Observation]: ...
@@ -65,11 +69,20 @@ class _WorkerDied(Exception):
         self.reason = reason
 
 
+# Bytes read from a worker's stdout at a time.
+_READ_CHUNK = 1 << 16
+# Requests up to this size are written from the event loop (`_Worker.acall`): at most one request is
+# in a worker's stdin pipe at a time, and a pipe holds at least one page, so such a write never
+# blocks; longer ones are written on a thread.
+_LOOP_WRITE_LIMIT = 4096
+
+
 class _Worker:
     """One `python -m jaxrl_agent.envs.worker` process, spoken to in JSON lines over its stdin/stdout.
 
     A plain subprocess (not multiprocessing): nothing of the parent — JAX threads, the caller's
-    `__main__` — is inherited or re-imported."""
+    `__main__` — is inherited or re-imported. One call at a time (the pool's slot lock): a request
+    is written, then its reply read, from a blocking thread (`call`) or the event loop (`acall`)."""
 
     def __init__(self, memory_mb, imports):
         args = [sys.executable, "-m", "jaxrl_agent.envs.worker", "--parent_pid", str(os.getpid())]
@@ -77,8 +90,9 @@ class _Worker:
             args += ["--memory_mb", str(memory_mb)]
         for module in imports:
             args += ["--import", module]
-        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                         env=_worker_env())
+        self._buffer = bytearray()  # bytes of the reply being read
 
     @property
     def pid(self) -> int:
@@ -87,20 +101,80 @@ class _Worker:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def _take_line(self) -> bytes | None:
+        end = self._buffer.find(b"\n")
+        if end < 0:
+            return None
+        line = bytes(self._buffer[:end])
+        del self._buffer[:end + 1]
+        return line
+
+    def _read_some(self) -> None:
+        """One read of what the worker wrote; raises _WorkerDied('env_crash') at its end."""
+        chunk = os.read(self.process.stdout.fileno(), _READ_CHUNK)
+        if not chunk:
+            raise _WorkerDied("env_crash")
+        self._buffer += chunk
+
     def call(self, request: dict, timeout: float) -> dict:
         """Sends a request and waits; raises _WorkerDied('env_timeout' | 'env_crash')."""
+        data = (json.dumps(request) + "\n").encode()
+        deadline = time.monotonic() + timeout
         try:
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-            if not ready:
-                raise _WorkerDied("env_timeout")
-            line = self.process.stdout.readline()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.process.stdin.fileno(), view):]
+            while (line := self._take_line()) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([self.process.stdout], [], [], remaining)[0]:
+                    raise _WorkerDied("env_timeout")
+                self._read_some()
         except (OSError, ValueError):
             raise _WorkerDied("env_crash") from None
-        if not line:
-            raise _WorkerDied("env_crash")
         return json.loads(line)
+
+    async def acall(self, request: dict, timeout: float) -> dict:
+        """`call` on the running event loop: the request written and the reply read as the worker's
+        stdout becomes readable (`loop.add_reader`), no thread in between. A call cancelled while
+        its request is out leaves the worker's replies out of step with its requests, so the
+        worker is killed (the pool replaces it and replays its other episodes)."""
+        data = (json.dumps(request) + "\n").encode()
+        if len(data) > _LOOP_WRITE_LIMIT:  # may not fit the pipe at once: a blocking write, on a thread
+            try:
+                return await asyncio.to_thread(self.call, request, timeout)
+            except asyncio.CancelledError:
+                self.kill()  # the thread's call goes on without the slot: end it
+                raise
+        loop = asyncio.get_running_loop()
+        replied = loop.create_future()
+        out = self.process.stdout.fileno()
+
+        def readable() -> None:
+            if replied.done():
+                return
+            try:
+                self._read_some()
+            except (_WorkerDied, OSError, ValueError):
+                replied.set_exception(_WorkerDied("env_crash"))
+                return
+            if b"\n" in self._buffer:
+                replied.set_result(None)
+
+        try:
+            os.write(self.process.stdin.fileno(), data)
+        except (OSError, ValueError):
+            raise _WorkerDied("env_crash") from None
+        loop.add_reader(out, readable)
+        expiry = loop.call_later(timeout, _expire, replied)
+        try:
+            await replied
+        except asyncio.CancelledError:
+            self.kill()
+            raise
+        finally:
+            expiry.cancel()
+            loop.remove_reader(out)
+        return json.loads(self._take_line())
 
     def kill(self):
         if self.alive():
@@ -114,6 +188,11 @@ class _Worker:
                 stream.close()
             except OSError:
                 pass
+
+
+def _expire(replied: asyncio.Future) -> None:
+    if not replied.done():
+        replied.set_exception(_WorkerDied("env_timeout"))
 
 
 def _worker_env() -> dict:
@@ -147,7 +226,10 @@ class EnvPool:
         # One lock per worker slot, not per process: a replacement process keeps its slot's lock, so a
         # thread that waited on the slot while the process was replaced never shares the new one.
         self._slot_locks = [threading.Lock() for _ in range(num_workers)]
+        # Coroutines of one event loop queue for a slot on an asyncio lock, then take its thread lock.
+        self._loop_slot_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._episodes: dict[str, _Episode] = {}
+        self._open_per_worker = [0] * num_workers  # open episodes per worker slot (reset picks the least)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = False
@@ -184,75 +266,128 @@ class EnvPool:
                 if episode.worker == index:
                     episode.needs_replay = True
 
+    def _pop_episode(self, episode_id: str) -> _Episode | None:
+        """Forgets an episode (the caller holds `self._lock`)."""
+        ep = self._episodes.pop(episode_id, None)
+        if ep is not None:
+            self._open_per_worker[ep.worker] -= 1
+        return ep
+
     def _reset_request(self, episode_id: str, ep: _Episode, replay: Sequence[str] = ()) -> dict:
         return {"op": "reset", "episode": episode_id, "env": ep.env, "env_kwargs": ep.env_kwargs,
                 "task": ep.task.to_dict(), "seed": ep.seed, "imports": ep.imports, "replay": list(replay)}
 
     def _failed_step(self, episode_id: str, reason: str, detail: str) -> api.Step:
         with self._lock:
-            ep = self._episodes.pop(episode_id, None)
+            ep = self._pop_episode(episode_id)
         info = {"finish_reason": reason, "success": False, "error": detail,
                 "turns": len(ep.actions) if ep else 0, "reward_components": {}}
         return api.Step(api.Observation(""), 0.0, True, info)
 
     # -------------------------------------------------------------------------- the service
-    def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
-              ) -> tuple[str, api.Observation]:
-        """Starts an episode on the least-loaded worker; returns (episode id, first observation)."""
+    # Each call is written once, as a generator: it yields the worker slot it needs, then each
+    # request for that slot's worker, receiving the reply (or the _WorkerDied the call raised,
+    # thrown in), and returns the call's result. `_run` drives it with blocking calls on the
+    # caller's thread, `_arun` on the event loop; the slot's lock is held between the two.
+    def _run(self, operation: Generator):
+        try:
+            index = next(operation)
+        except StopIteration as stop:
+            return stop.value
+        with self._slot_locks[index]:
+            reply, died = None, None
+            while True:
+                try:
+                    request = operation.send(reply) if died is None else operation.throw(died)
+                except StopIteration as stop:
+                    return stop.value
+                reply, died = None, None
+                try:
+                    reply = self._workers[index].call(request, self.step_timeout_s)
+                except _WorkerDied as err:
+                    died = err
+
+    async def _arun(self, operation: Generator):
+        try:
+            index = next(operation)
+        except StopIteration as stop:
+            return stop.value
+        # The slot's lock for a coroutine: in turn with the loop's other coroutines (an asyncio
+        # lock), then the thread lock (taken at once when no thread holds it).
+        queue = self._loop_slot_locks.setdefault(asyncio.get_running_loop(), {}).setdefault(index, asyncio.Lock())
+        async with queue:
+            lock = self._slot_locks[index]
+            if not lock.acquire(blocking=False):
+                taken = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+                try:
+                    await asyncio.shield(taken)
+                except asyncio.CancelledError:
+                    taken.add_done_callback(lambda _: lock.release())  # taken for no one: give it back
+                    raise
+            try:
+                reply, died = None, None
+                while True:
+                    try:
+                        request = operation.send(reply) if died is None else operation.throw(died)
+                    except StopIteration as stop:
+                        return stop.value
+                    reply, died = None, None
+                    try:
+                        reply = await self._workers[index].acall(request, self.step_timeout_s)
+                    except _WorkerDied as err:
+                        died = err
+            finally:
+                lock.release()
+
+    def _reset_op(self, env: str, task: api.Task, seed: int, env_kwargs: Mapping[str, Any] | None):
         self._check_open()
         factory_module = api.factory_module(env)
         imports = (factory_module,) if factory_module and factory_module != "__main__" else ()
         with self._lock:
-            loads = [0] * len(self._workers)
-            for episode in self._episodes.values():
-                loads[episode.worker] += 1
-            index = loads.index(min(loads))
+            index = self._open_per_worker.index(min(self._open_per_worker))
             episode_id = f"ep{next(self._ids)}"
             ep = _Episode(env, dict(env_kwargs or {}), task, seed, imports, index)
             self._episodes[episode_id] = ep
-        with self._slot_locks[index]:
-            if not self._workers[index].alive():
-                self._replace(index, "env_crash")
-            worker = self._workers[index]
-            try:
-                reply = worker.call(self._reset_request(episode_id, ep), self.step_timeout_s)
-            except _WorkerDied as died:
-                self._replace(index, died.reason)
-                with self._lock:
-                    self._episodes.pop(episode_id, None)
-                raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {died.reason}") from None
+            self._open_per_worker[index] += 1
+        yield index
+        if not self._workers[index].alive():
+            self._replace(index, "env_crash")
+        try:
+            reply = yield self._reset_request(episode_id, ep)
+        except _WorkerDied as died:
+            self._replace(index, died.reason)
+            with self._lock:
+                self._pop_episode(episode_id)
+            raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {died.reason}") from None
         if "error" in reply:
             with self._lock:
-                self._episodes.pop(episode_id, None)
+                self._pop_episode(episode_id)
             raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {reply['error']}")
         return episode_id, api.Observation.from_dict(reply["ok"])
 
-    def step(self, episode_id: str, action: str) -> api.Step:
-        """Applies an action. Never raises for environment failures: they end the episode with a
-        `finish_reason` of 'env_timeout', 'env_crash' or 'env_error' in `info`."""
+    def _step_op(self, episode_id: str, action: str):
         self._check_open()
         with self._lock:
             ep = self._episodes.get(episode_id)
         if ep is None:
             raise EnvServiceError(f"unknown or finished episode {episode_id!r}")
         index = ep.worker
-        with self._slot_locks[index]:
-            if not self._workers[index].alive():
-                # Died while idle (nothing in flight): replace it; this episode is simply replayed.
-                self._replace(index, "env_crash")
-            worker = self._workers[index]
-            try:
-                if ep.needs_replay:
-                    self.stats["replays"] += 1
-                    reply = worker.call(self._reset_request(episode_id, ep, ep.actions), self.step_timeout_s)
-                    if "error" in reply:
-                        self.stats["env_crash"] += 1
-                        return self._failed_step(episode_id, "env_crash", f"replay failed: {reply['error']}")
-                    ep.needs_replay = False
-                reply = worker.call({"op": "step", "episode": episode_id, "action": action}, self.step_timeout_s)
-            except _WorkerDied as died:
-                self._replace(index, died.reason)
-                return self._failed_step(episode_id, died.reason, f"worker {died.reason} during step")
+        yield index
+        if not self._workers[index].alive():
+            # Died while idle (nothing in flight): replace it; this episode is simply replayed.
+            self._replace(index, "env_crash")
+        try:
+            if ep.needs_replay:
+                self.stats["replays"] += 1
+                reply = yield self._reset_request(episode_id, ep, ep.actions)
+                if "error" in reply:
+                    self.stats["env_crash"] += 1
+                    return self._failed_step(episode_id, "env_crash", f"replay failed: {reply['error']}")
+                ep.needs_replay = False
+            reply = yield {"op": "step", "episode": episode_id, "action": action}
+        except _WorkerDied as died:
+            self._replace(index, died.reason)
+            return self._failed_step(episode_id, died.reason, f"worker {died.reason} during step")
         if "error" in reply:
             if reply.get("kind") == "env":
                 self.stats["env_error"] += 1
@@ -262,19 +397,45 @@ class EnvPool:
         step = api.Step.from_dict(reply["ok"])
         if step.done:
             with self._lock:
-                self._episodes.pop(episode_id, None)
+                self._pop_episode(episode_id)
         return step
 
-    def close_episode(self, episode_id: str) -> None:
+    def _close_op(self, episode_id: str):
         with self._lock:
-            ep = self._episodes.pop(episode_id, None)
-        if ep is None:
+            ep = self._pop_episode(episode_id)
+        if ep is None:  # finished (a done step closed it in the worker) or never opened: nothing to send
             return
-        with self._slot_locks[ep.worker]:
-            try:
-                self._workers[ep.worker].call({"op": "close", "episode": episode_id}, self.step_timeout_s)
-            except _WorkerDied as died:
-                self._replace(ep.worker, died.reason)
+        yield ep.worker
+        try:
+            yield {"op": "close", "episode": episode_id}
+        except _WorkerDied as died:
+            self._replace(ep.worker, died.reason)
+
+    def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
+              ) -> tuple[str, api.Observation]:
+        """Starts an episode on the least-loaded worker; returns (episode id, first observation)."""
+        return self._run(self._reset_op(env, task, seed, env_kwargs))
+
+    def step(self, episode_id: str, action: str) -> api.Step:
+        """Applies an action. Never raises for environment failures: they end the episode with a
+        `finish_reason` of 'env_timeout', 'env_crash' or 'env_error' in `info`."""
+        return self._run(self._step_op(episode_id, action))
+
+    def close_episode(self, episode_id: str) -> None:
+        self._run(self._close_op(episode_id))
+
+    async def areset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
+                     ) -> tuple[str, api.Observation]:
+        """`reset` as a coroutine of the running event loop (no thread per call)."""
+        return await self._arun(self._reset_op(env, task, seed, env_kwargs))
+
+    async def astep(self, episode_id: str, action: str) -> api.Step:
+        """`step` as a coroutine of the running event loop (no thread per call)."""
+        return await self._arun(self._step_op(episode_id, action))
+
+    async def aclose_episode(self, episode_id: str) -> None:
+        """`close_episode` as a coroutine; for a finished episode it sends nothing."""
+        await self._arun(self._close_op(episode_id))
 
     def ensure_workers(self) -> None:
         """Replaces workers that died while idle (e.g. killed from outside)."""

@@ -100,21 +100,28 @@ class InProcessEnv:
 
 
 class ServiceEnv:
-    """An episode on an EnvService (local pool or remote servers); blocking calls run in threads.
-    A service failure during a step (a server gone) ends the episode as 'env_crash'."""
+    """An episode on an EnvService (local pool or remote servers). A service's coroutine calls
+    (`areset`, `astep`, `aclose_episode`: `EnvPool`'s, on the event loop) are awaited directly;
+    blocking ones run in threads. A service failure during a step (a server gone) ends the episode
+    as 'env_crash'."""
 
     def __init__(self, service, env_name: str, env_kwargs: dict | None = None):
         self.service, self.env_name, self.env_kwargs = service, env_name, env_kwargs or {}
         self.episode_id = None
 
+    async def _call(self, name: str, *args):
+        coroutine = getattr(self.service, "a" + name, None)
+        if coroutine is not None:
+            return await coroutine(*args)
+        return await asyncio.to_thread(getattr(self.service, name), *args)
+
     async def reset(self, task, seed):
-        self.episode_id, observation = await asyncio.to_thread(self.service.reset, self.env_name, task, seed,
-                                                               self.env_kwargs)
+        self.episode_id, observation = await self._call("reset", self.env_name, task, seed, self.env_kwargs)
         return observation
 
     async def step(self, action):
         try:
-            return await asyncio.to_thread(self.service.step, self.episode_id, action)
+            return await self._call("step", self.episode_id, action)
         except Exception as err:  # noqa: BLE001 - the service failed: this episode ends, recorded
             self.episode_id = None
             return _failed("env_crash", err)
@@ -122,7 +129,7 @@ class ServiceEnv:
     async def close(self):
         if self.episode_id is not None:
             try:
-                await asyncio.to_thread(self.service.close_episode, self.episode_id)
+                await self._call("close_episode", self.episode_id)
             except Exception:  # noqa: BLE001 - the episode is over either way
                 pass
 

@@ -1,5 +1,6 @@
 """Fault isolation of the environment service, locally and over loopback TCP."""
 
+import asyncio
 import os
 import pathlib
 import re
@@ -171,3 +172,124 @@ def test_steps_waiting_while_their_worker_is_replaced_never_share_the_new_one():
                 assert results[index].observation.text == f"count={index + 1}", (round_, index)
             for episode in episodes[1:]:
                 p.close_episode(episode)
+
+
+# --------------------------------------------------------------- the pool's calls on an event loop
+def _arun(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def _acount(pool, episode):
+    step = await pool.astep(episode, "count")
+    assert not step.done, step.info
+    return int(step.observation.text.split("=")[1])
+
+
+@pytest.mark.parametrize("fault, reason", [("crash", "env_crash"), ("hang", "env_timeout"), ("oom", "env_crash")])
+def test_coroutine_calls_end_only_the_faulting_episode(local_pool, fault, reason):
+    async def scenario():
+        episodes = [(await local_pool.areset("faulty", TASK))[0] for _ in range(4)]  # two per worker
+        assert await asyncio.gather(*(_acount(local_pool, e) for e in episodes)) == [1, 1, 1, 1]
+        step = await local_pool.astep(episodes[0], fault)
+        assert step.done and step.info["finish_reason"] == reason and not step.info["success"]
+        # The others go on with their state (replayed where their worker was replaced), concurrently.
+        assert await asyncio.gather(*(_acount(local_pool, e) for e in episodes[1:])) == [2, 2, 2]
+        with pytest.raises(pool_lib.EnvServiceError, match="unknown or finished episode"):
+            await local_pool.astep(episodes[0], "count")
+        for e in episodes[1:]:
+            await local_pool.aclose_episode(e)
+
+    _arun(scenario())
+    assert local_pool.num_workers == 2
+
+
+def test_coroutines_and_threads_take_turns_on_one_worker():
+    """Steps from coroutines of two event loops and from plain threads, all on one worker's
+    episodes at once: every step gets its own episode's reply (each count is its episode's)."""
+    with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        episodes = _open(p, 6)
+        counts = {e: [] for e in episodes}
+
+        def threaded(episode):
+            for _ in range(20):
+                counts[episode].append(_count(p, episode))
+
+        def looped(mine):
+            async def steps(episode):
+                for _ in range(20):
+                    counts[episode].append(await _acount(p, episode))
+            async def both():
+                await asyncio.wait_for(asyncio.gather(*(steps(e) for e in mine)), 60)
+            asyncio.run(both())
+
+        workers = [threading.Thread(target=threaded, args=(e,)) for e in episodes[:2]]
+        workers += [threading.Thread(target=looped, args=(episodes[2:4],)), threading.Thread(target=looped, args=(episodes[4:],))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+        assert not any(w.is_alive() for w in workers)
+        assert all(counts[e] == list(range(1, 21)) for e in episodes), counts
+        assert p.stats["worker_restarts"] == 0
+
+
+def test_a_cancelled_coroutine_step_replaces_its_worker_and_loses_no_other_episode():
+    with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        episodes = _open(p, 3)
+        for e in episodes:
+            assert _count(p, e) == 1
+        busy = p.worker_pids()[0]
+
+        async def scenario():
+            slow = asyncio.ensure_future(p.astep(episodes[0], "sleep:3"))
+            await asyncio.sleep(0.3)
+            slow.cancel()  # its reply would arrive after the next request was sent: the worker must go
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            return [await _acount(p, e) for e in episodes[1:]]
+
+        assert _arun(scenario()) == [2, 2]
+        assert busy not in p.worker_pids() and p.stats["worker_restarts"] == 1
+        assert _count(p, episodes[0]) == 2  # the cancelled step never happened: replayed from its actions
+
+
+def test_a_request_longer_than_a_pipe_write_goes_through():
+    with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        (episode,) = _open(p, 1)
+        action = "sleep:0" + "0" * (4 * pool_lib._LOOP_WRITE_LIMIT)  # a long action (a float with many zeros)
+        step = _arun(p.astep(episode, action))
+        assert step.observation.text == "count=1"
+        assert _count(p, episode) == 2
+
+
+def test_service_env_awaits_a_service_s_coroutines_and_threads_the_rest(monkeypatch):
+    """`rollout.ServiceEnv` calls an EnvPool on the event loop (no thread per call) and a service
+    without coroutine calls (a remote client) in threads, with the same results."""
+    from jaxrl_agent import rollout
+
+    threaded = []
+    real_to_thread = asyncio.to_thread
+
+    async def counting_to_thread(fn, *args):
+        threaded.append(getattr(fn, "__name__", fn))
+        return await real_to_thread(fn, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting_to_thread)
+
+    class BlockingOnly:  # the pool's blocking calls only
+        def __init__(self, pool):
+            self.reset, self.step, self.close_episode = pool.reset, pool.step, pool.close_episode
+
+    async def episode(service):
+        env = rollout.ServiceEnv(service, "faulty")
+        first = await env.reset(TASK, 0)
+        texts = [first.text.startswith("pid="), (await env.step("count")).observation.text,
+                 (await env.step("done")).observation.text]
+        await env.close()
+        return texts
+
+    with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        assert _arun(episode(p)) == [True, "count=1", "count=2"]
+        assert threaded == []
+        assert _arun(episode(BlockingOnly(p))) == [True, "count=1", "count=2"]
+        assert threaded == ["reset", "step", "step", "close_episode"]
