@@ -437,7 +437,7 @@ OBJECTIVES = ("mirror_descent", "ppo", "gspo", "cispo", "reinforce")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "ploo")
 CORRECTIONS = ("none", "tis", "icepop", "decoupled")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-ENV_SERVICES = ("inprocess", "pool")  # or 'host:port[,host:port...]'
+ENV_SERVICES = ("auto", "inprocess", "pool")  # or 'host:port[,host:port...]'
 
 
 class ConfigError(ValueError):
@@ -589,8 +589,21 @@ def host_ports(value, key: str) -> list[tuple[str, int]]:
     return addresses
 
 
+def env_service(config) -> str:
+    """Where the run's environments run: `env.service`, with 'auto' resolved to 'inprocess' when
+    every environment of the run is one the library declares safe in process
+    (`envs.api.in_process_safe`: its pure built-in environments, unless a module registered the name
+    again), else 'pool' (worker processes: step timeouts and crash isolation for any other one)."""
+    service = config.env.service
+    if service != "auto":
+        return service
+    from jaxrl_agent import envs
+
+    return "inprocess" if all(envs.api.in_process_safe(name) for name in env_mixture(config)) else "pool"
+
+
 def env_service_addresses(config) -> list[tuple[str, int]]:
-    """The remote env servers of `env.service='host:port,...'` ([] for 'inprocess' and 'pool')."""
+    """The remote env servers of `env.service='host:port,...'` ([] for 'auto', 'inprocess' and 'pool')."""
     service = config.env.service
     if service in ENV_SERVICES:
         return []
@@ -832,7 +845,7 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
     sub_temperature = config.rollout.get("delegate_temperature", -1.0)
     need(sub_temperature == -1.0 or sub_temperature >= 0.0,
          f"rollout.delegate_temperature={sub_temperature}: expected -1 (the orchestrator's) or >= 0 (0 = greedy)")
-    need(config.env.tool_latency_s <= 0 or config.env.service == "inprocess",
+    need(config.env.tool_latency_s <= 0 or env_service(config) == "inprocess",
          f"env.tool_latency_s={config.env.tool_latency_s} simulates latency on in-process environments only: "
          f"set env.service='inprocess' (got {config.env.service!r})")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
@@ -844,7 +857,7 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
 
     one_of("sandbox.isolation", config.sandbox.isolation, sandbox.ISOLATIONS)
     sandboxed = [name for name in mixture if envs.api.uses_sandbox(name)]
-    if sandboxed and config.env.service in ("inprocess", "pool"):
+    if sandboxed and env_service(config) in ("inprocess", "pool"):
         try:
             sandbox.check_isolation(config.sandbox.isolation)
         except sandbox.SandboxUnavailableError as err:
@@ -1084,13 +1097,13 @@ class Environments:
         self.environments = {name: envs.make(name, **self.kwargs) for name in self.weights}
         self.step_timeout_s = float(config.env.step_timeout_s)
         self.tool_latency = (config.env.tool_latency_s, config.env.tool_latency_alpha)
-        self.service_name = config.env.service
+        self.service_name = env_service(config)
         self.service = None
         self._threads = None
-        if config.env.service == "inprocess":
+        if self.service_name == "inprocess":
             # Environment steps run on these threads (a slow tool must not stall the event loop).
             self._threads = concurrent.futures.ThreadPoolExecutor(config.env.step_threads, "env-step")
-        elif config.env.service == "pool":
+        elif self.service_name == "pool":
             from jaxrl_agent.envs.pool import EnvPool
 
             self.service = EnvPool(config.env.pool_workers, step_timeout_s=self.step_timeout_s,

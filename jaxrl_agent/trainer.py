@@ -309,7 +309,9 @@ def train_and_evaluate(config, workdir: str | None = None, *, quiet: bool = Fals
         history, history_note = build.template_history(config, run.template)
         run.log("start", 0, {"params": models.count_params(run.params), "devices": jax.device_count(),
                              "processes": jax.process_count(), "objective": run.objective.name,
-                             "environments": ",".join(run.environments.environments), **history,
+                             "environments": ",".join(run.environments.environments),
+                             "env_service": run.environments.service_name + (" (auto)" if config.env.service == "auto"
+                                                                             else ""), **history,
                              **build.decode_options_record(run.sampler)},
                 global_step=0 if run.resume is None else config.sft.steps + run.resume.iteration)
         if history_note:

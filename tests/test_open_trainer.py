@@ -48,7 +48,7 @@ def _records(path):
     ("env.imports", "no_such_module_xyz", r"env.imports: cannot import 'no_such_module_xyz'"),
     ("env.mixture", "calculator:0.5,nowhere:0.5", r"environment 'nowhere' is not registered"),
     ("env.mixture", "calculator:x", r"weight 'x' of 'calculator' is not a number"),
-    ("env.service", "pool2", r"env.service='pool2': expected one of \('inprocess', 'pool'\)"),
+    ("env.service", "pool2", r"env.service='pool2': expected one of \('auto', 'inprocess', 'pool'\)"),
     ("env.kwargs", "[1, 2]", r"env.kwargs='\[1, 2\]': expected a JSON object"),
     ("reward.weights", "correctness", r"reward.weights='correctness': expected 'name:weight"),
     ("reward.fn", "no_such_module_xyz:f", r"reward.fn='no_such_module_xyz:f': cannot import"),
@@ -225,6 +225,36 @@ def test_a_hanging_step_in_process_ends_only_its_episode(tmp_path):
     (rl,) = [r for r in records if r["stage"] == "rl"]
     assert rl["finish_reasons"].get("env_timeout", 0) == 2  # both episodes of task 0
     assert sum(rl["finish_reasons"].values()) == 8
+
+
+def test_env_service_auto_keeps_the_library_s_pure_environments_in_process_and_isolates_the_rest(tmp_path):
+    from jaxrl_agent import envs
+    from tests.fixtures import faulty_envs  # noqa: F401 - registers calc_hang / calc_crash
+
+    config = tiny_config(tmp_path)
+    assert config.env.service == "auto" and build.env_service(config) == "inprocess"  # calculator
+    config.env.mixture = "calculator:0.5,kb_search:0.3,terminal:0.2"
+    assert build.env_service(config) == "inprocess"
+    for mixture in ("calculator:0.5,code:0.5",  # runs the policy's code
+                    "calculator:0.5,calc_hang:0.5",  # a subclass of calculator does not inherit the flag
+                    "calculator:0.5,faulty:0.5"):
+        config.env.mixture = mixture
+        assert build.env_service(config) == "pool", mixture
+    config.env.service = "inprocess"
+    assert build.env_service(config) == "inprocess"  # an explicit choice stands
+    config.env.service, config.env.mixture = "auto", ""
+    original = envs.api._REGISTRY["calculator"]
+    try:  # a project that registers 'calculator' again with its own factory gets worker processes
+        envs.api.register("calculator", lambda **kw: original.factory(**kw), expert=original.expert, overwrite=True)
+        assert build.env_service(config) == "pool"
+    finally:
+        envs.api._REGISTRY["calculator"] = original
+    assert build.env_service(config) == "inprocess"
+    environments = build.Environments(config)
+    try:  # in process: episodes step on threads of the trainer, no service
+        assert environments.service is None and environments.service_name == "inprocess"
+    finally:
+        environments.close()
 
 
 def test_a_pool_worker_dying_mid_episode_ends_only_that_episode(tmp_path):

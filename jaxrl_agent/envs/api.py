@@ -327,6 +327,16 @@ def factory_module(name: str) -> str | None:
     return None if entry is None else getattr(entry.factory, "__module__", None)
 
 
+def in_process_safe(name: str) -> bool:
+    """Whether `name`'s environment may run in the trainer's own process when `env.service='auto'`:
+    its factory is a class that itself declares `in_process_safe = True` (the library's pure
+    environments: bounded Python that runs no policy code and calls no blocking tool). Not
+    inherited: a subclass may change what a step does, and a module that registers the name again
+    with a factory of its own sends it back to worker processes."""
+    entry = _REGISTRY.get(name)
+    return entry is not None and isinstance(entry.factory, type) and vars(entry.factory).get("in_process_safe") is True
+
+
 def uses_sandbox(name: str) -> bool:
     """Whether `name`'s environment runs policy code in the sandbox (its factory's `uses_sandbox`)."""
     entry = _REGISTRY.get(name)

@@ -80,6 +80,7 @@ def _parse_int(text: str) -> int | None:
 
 class CalculatorEnv(api.ToolEnvironment):
     name = "calculator"
+    in_process_safe = True  # pure Python, no policy code run: env.service='auto' keeps it in process
     difficulties = tuple(sorted(LEVELS))
 
     def __init__(self, *, max_turns: int = 4, reward_weights: Mapping[str, float] | None = None):

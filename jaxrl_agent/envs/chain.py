@@ -54,6 +54,7 @@ def build_log(seed: int, hops: int) -> tuple[list[str], dict[str, str]]:
 
 class ChainEnv(api.ToolEnvironment):
     name = "chain"
+    in_process_safe = True  # pure Python, no policy code run: env.service='auto' keeps it in process
     difficulties = (1, 2, 3, 4, 5, 6, 8)
 
     def __init__(self, *, max_turns: int = 12, reward_weights: Mapping[str, float] | None = None):

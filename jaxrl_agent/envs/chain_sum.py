@@ -53,6 +53,7 @@ def _prompt(starts) -> str:
 
 class ChainSumEnv(api.ToolEnvironment):
     name = "chain_sum"
+    in_process_safe = True  # pure Python, no policy code run: env.service='auto' keeps it in process
     difficulties = tuple(sorted(LEVELS))
 
     def __init__(self, *, max_turns: int = 16, reward_weights: Mapping[str, float] | None = None):

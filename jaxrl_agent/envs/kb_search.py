@@ -76,6 +76,7 @@ def _norm(s: str) -> str:
 
 class KBSearchEnv(api.ToolEnvironment):
     name = "kb_search"
+    in_process_safe = True  # pure Python, no policy code run: env.service='auto' keeps it in process
     difficulties = (1, 2, 3)
 
     def __init__(self, *, max_turns: int = 6, reward_weights: Mapping[str, float] | None = None):

@@ -78,6 +78,7 @@ def _answer(files: Mapping[str, str], difficulty: int, facts: Mapping[str, str])
 
 class TerminalEnv(api.ToolEnvironment):
     name = "terminal"
+    in_process_safe = True  # pure Python, no policy code run: env.service='auto' keeps it in process
     difficulties = (1, 2, 3)
 
     def __init__(self, *, max_turns: int = 6, reward_weights: Mapping[str, float] | None = None):
