@@ -141,7 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
     # each task's environment drawn with these weights; '' = env.name alone. Success, entropy,
     # signal share and evaluation are reported per environment.
     config.env.mixture = ""
-    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; 12-18% of
+    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; 12-22% of
     # an RL iteration here over 'inprocess', benchmarks/RESULTS.md), 'inprocess' (threads of this
     # process, with a step watchdog: for trusted, cheap environments), 'auto' ('inprocess' when every
     # environment of the run is one of the library's pure ones, as calculator is; else 'pool') or
