@@ -190,6 +190,21 @@ class _Worker:
                 pass
 
 
+@dataclasses.dataclass(frozen=True)
+class _Finished:
+    value: Any  # what the pool's operation returned
+
+
+def _resume(operation: Generator, outcome):
+    """Resumes one of the pool's operations with the last call's outcome (its reply, the
+    _WorkerDied it raised — thrown in —, or None to start it): what it yields next (a slot, or a
+    request), or _Finished with what it returned."""
+    try:
+        return operation.throw(outcome) if isinstance(outcome, _WorkerDied) else operation.send(outcome)
+    except StopIteration as stop:
+        return _Finished(stop.value)
+
+
 def _expire(replied: asyncio.Future) -> None:
     if not replied.done():
         replied.set_exception(_WorkerDied("env_timeout"))
@@ -290,28 +305,22 @@ class EnvPool:
     # thrown in), and returns the call's result. `_run` drives it with blocking calls on the
     # caller's thread, `_arun` on the event loop; the slot's lock is held between the two.
     def _run(self, operation: Generator):
-        try:
-            index = next(operation)
-        except StopIteration as stop:
-            return stop.value
+        index = _resume(operation, None)
+        if isinstance(index, _Finished):
+            return index.value
         with self._slot_locks[index]:
-            reply, died = None, None
-            while True:
+            outcome = None
+            while not isinstance(request := _resume(operation, outcome), _Finished):
                 try:
-                    request = operation.send(reply) if died is None else operation.throw(died)
-                except StopIteration as stop:
-                    return stop.value
-                reply, died = None, None
-                try:
-                    reply = self._workers[index].call(request, self.step_timeout_s)
-                except _WorkerDied as err:
-                    died = err
+                    outcome = self._workers[index].call(request, self.step_timeout_s)
+                except _WorkerDied as died:
+                    outcome = died
+            return request.value
 
     async def _arun(self, operation: Generator):
-        try:
-            index = next(operation)
-        except StopIteration as stop:
-            return stop.value
+        index = _resume(operation, None)
+        if isinstance(index, _Finished):
+            return index.value
         # The slot's lock for a coroutine: in turn with the loop's other coroutines (an asyncio
         # lock), then the thread lock (taken at once when no thread holds it).
         queue = self._loop_slot_locks.setdefault(asyncio.get_running_loop(), {}).setdefault(index, asyncio.Lock())
@@ -325,17 +334,13 @@ class EnvPool:
                     taken.add_done_callback(lambda _: lock.release())  # taken for no one: give it back
                     raise
             try:
-                reply, died = None, None
-                while True:
+                outcome = None
+                while not isinstance(request := _resume(operation, outcome), _Finished):
                     try:
-                        request = operation.send(reply) if died is None else operation.throw(died)
-                    except StopIteration as stop:
-                        return stop.value
-                    reply, died = None, None
-                    try:
-                        reply = await self._workers[index].acall(request, self.step_timeout_s)
-                    except _WorkerDied as err:
-                        died = err
+                        outcome = await self._workers[index].acall(request, self.step_timeout_s)
+                    except _WorkerDied as died:
+                        outcome = died
+                return request.value
             finally:
                 lock.release()
 
