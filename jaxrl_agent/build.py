@@ -1079,8 +1079,9 @@ def _as_objective(found, rl):
 
 class Environments:
     """The run's environments (`env.*`): one instance of each for generating tasks, and
-    `make_env(task)` — the episode's environment on the configured service: in-process threads
-    with a watchdog, a pool of worker processes, or remote env servers."""
+    `make_env(task)` — the episode's environment on the configured service: in process (the
+    library's pure environments stepped on the event loop, any other on threads with a watchdog), a
+    pool of worker processes, or remote env servers."""
 
     def __init__(self, config):
         import concurrent.futures
@@ -1124,6 +1125,8 @@ class Environments:
             from jaxrl_agent.envs.testing import ToolLatency
 
             env = ToolLatency(env, self.tool_latency[0], alpha=self.tool_latency[1])
+        elif envs.api.in_process_safe(task.env):
+            return rollout.InProcessEnv(env)  # bounded pure Python: stepped on the event loop
         return rollout.InProcessEnv(env, executor=self._threads, step_timeout_s=self.step_timeout_s)
 
     def stats(self) -> dict[str, float]:

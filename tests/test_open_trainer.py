@@ -218,6 +218,7 @@ def test_a_hanging_step_in_process_ends_only_its_episode(tmp_path):
     config = _rl_only(tiny_config(tmp_path))
     config.env.imports = "tests.fixtures.faulty_envs"
     config.env.name = "calc_hang"
+    config.env.service = "inprocess"  # ('auto' would put this subclass of calculator in the pool)
     config.env.step_timeout_s = 2.0  # well above a normal step on a loaded 2-core host, well below the 4 s hang
     config.rl.iterations = 1
     config.rollout.prompts_per_iteration = 4  # task seeds 0..3: seed 0 hangs
@@ -251,8 +252,17 @@ def test_env_service_auto_keeps_the_library_s_pure_environments_in_process_and_i
         envs.api._REGISTRY["calculator"] = original
     assert build.env_service(config) == "inprocess"
     environments = build.Environments(config)
-    try:  # in process: episodes step on threads of the trainer, no service
+    try:  # in process, no service; a pure environment steps on the event loop, no thread per step
         assert environments.service is None and environments.service_name == "inprocess"
+        task = environments.environments["calculator"].sample_task(0, 1)
+        assert environments.make_env(task).executor is None
+    finally:
+        environments.close()
+    config.env.service, config.env.imports, config.env.name = "inprocess", "tests.fixtures.faulty_envs", "calc_hang"
+    environments = build.Environments(config)
+    try:  # any other environment in process keeps its thread and watchdog
+        env = environments.make_env(environments.environments["calc_hang"].sample_task(0, 1))
+        assert env.executor is not None and env.step_timeout_s == config.env.step_timeout_s
     finally:
         environments.close()
 
