@@ -280,6 +280,7 @@ def test_a_pool_worker_dying_mid_episode_ends_only_that_episode(tmp_path):
     assert [r["step"] for r in rl] == [1, 2]
     assert rl[0]["finish_reasons"].get("env_crash", 0) >= 1
     assert rl[-1]["env_service/worker_restarts"] >= 1 and rl[-1]["env_service/env_crash"] >= 1
+    assert next(r for r in records if r["stage"] == "start")["env_service"] == "pool"
     assert all(sum(r["finish_reasons"].values()) == 8 for r in rl)
     assert [r for r in records if r["stage"] == "summary"]
 

@@ -47,6 +47,7 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     assert stages[:2] == ["start", "sft"] and "initial_eval" not in stages
     assert records[0]["decode_options"] == "large=fast_minmax small=small_batch (builtin)"
     assert records[0]["sampler_engines"] == str(build.local_engine_count(config))  # the auto choice, logged
+    assert records[0]["env_service"] == "inprocess (auto)"  # env.service='auto' with calculator, logged
     assert stages.count("sft") == 3 and "sft_eval" in stages
     assert stages.count("rl") == 2 and stages.count("rl_eval") == 2
     rl = [r for r in records if r["stage"] == "rl"]

@@ -244,7 +244,6 @@ class EnvPool:
         # Coroutines of one event loop queue for a slot on an asyncio lock, then take its thread lock.
         self._loop_slot_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._episodes: dict[str, _Episode] = {}
-        self._open_per_worker = [0] * num_workers  # open episodes per worker slot (reset picks the least)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = False
@@ -281,20 +280,13 @@ class EnvPool:
                 if episode.worker == index:
                     episode.needs_replay = True
 
-    def _pop_episode(self, episode_id: str) -> _Episode | None:
-        """Forgets an episode (the caller holds `self._lock`)."""
-        ep = self._episodes.pop(episode_id, None)
-        if ep is not None:
-            self._open_per_worker[ep.worker] -= 1
-        return ep
-
     def _reset_request(self, episode_id: str, ep: _Episode, replay: Sequence[str] = ()) -> dict:
         return {"op": "reset", "episode": episode_id, "env": ep.env, "env_kwargs": ep.env_kwargs,
                 "task": ep.task.to_dict(), "seed": ep.seed, "imports": ep.imports, "replay": list(replay)}
 
     def _failed_step(self, episode_id: str, reason: str, detail: str) -> api.Step:
         with self._lock:
-            ep = self._pop_episode(episode_id)
+            ep = self._episodes.pop(episode_id, None)
         info = {"finish_reason": reason, "success": False, "error": detail,
                 "turns": len(ep.actions) if ep else 0, "reward_components": {}}
         return api.Step(api.Observation(""), 0.0, True, info)
@@ -349,11 +341,13 @@ class EnvPool:
         factory_module = api.factory_module(env)
         imports = (factory_module,) if factory_module and factory_module != "__main__" else ()
         with self._lock:
-            index = self._open_per_worker.index(min(self._open_per_worker))
+            loads = [0] * len(self._workers)
+            for episode in self._episodes.values():
+                loads[episode.worker] += 1
+            index = loads.index(min(loads))
             episode_id = f"ep{next(self._ids)}"
             ep = _Episode(env, dict(env_kwargs or {}), task, seed, imports, index)
             self._episodes[episode_id] = ep
-            self._open_per_worker[index] += 1
         yield index
         if not self._workers[index].alive():
             self._replace(index, "env_crash")
@@ -362,11 +356,11 @@ class EnvPool:
         except _WorkerDied as died:
             self._replace(index, died.reason)
             with self._lock:
-                self._pop_episode(episode_id)
+                self._episodes.pop(episode_id, None)
             raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {died.reason}") from None
         if "error" in reply:
             with self._lock:
-                self._pop_episode(episode_id)
+                self._episodes.pop(episode_id, None)
             raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {reply['error']}")
         return episode_id, api.Observation.from_dict(reply["ok"])
 
@@ -402,12 +396,12 @@ class EnvPool:
         step = api.Step.from_dict(reply["ok"])
         if step.done:
             with self._lock:
-                self._pop_episode(episode_id)
+                self._episodes.pop(episode_id, None)
         return step
 
     def _close_op(self, episode_id: str):
         with self._lock:
-            ep = self._pop_episode(episode_id)
+            ep = self._episodes.pop(episode_id, None)
         if ep is None:  # finished (a done step closed it in the worker) or never opened: nothing to send
             return
         yield ep.worker
