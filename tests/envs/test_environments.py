@@ -1,8 +1,13 @@
 """Built-in environments: experts solve them, random text does not, tasks are deterministic."""
 
+import ast
 import json
+import operator
 import random
 import string
+import sys
+import threading
+import time
 
 import pytest
 
@@ -101,6 +106,110 @@ def test_calculator_refuses_anything_but_integer_arithmetic(expr):
 def test_calculator_evaluates_integer_arithmetic():
     assert calculator.safe_eval("17*23+5") == 396
     assert calculator.safe_eval("-(4 - 10) // 4 % 5") == 1
+
+
+def _reference_eval(expr: str) -> int:
+    """The calculator's semantics through Python's own parser (single-threaded here): integers,
+    + - * // %, unary + -, parentheses; each binary result within ±MAX_MAGNITUDE."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError:
+        raise calculator.CalcError("syntax") from None
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
+                raise calculator.CalcError("division by zero")
+            value = ops[type(node.op)](left, right)
+            if abs(value) > calculator.MAX_MAGNITUDE:
+                raise calculator.CalcError("too large")
+            return value
+        raise calculator.CalcError("unsupported")
+
+    return ev(tree)
+
+
+def _random_expression(rng: random.Random, depth: int = 0) -> str:
+    """A well-formed expression (unary chains, nesting, spacing, zero divisors, large operands)."""
+    roll = rng.random()
+    if depth > 3 or roll < 0.35:
+        number = rng.choice([str(rng.randint(0, 99)), str(rng.randint(0, 10**10)), "0", "1_000", "00"])
+        return rng.choice(["", "-", "+", "- -", "-+"]) + number
+    if roll < 0.5:
+        return rng.choice(["(", "-(", " ( "]) + _random_expression(rng, depth + 1) + rng.choice([")", " ) "])
+    op = rng.choice(["+", "-", "*", "//", "%", " * ", " // "])
+    return _random_expression(rng, depth + 1) + op + _random_expression(rng, depth + 1)
+
+
+def test_calculator_matches_pythons_integer_arithmetic():
+    """Golden reference: Python's parser and operators. Well-formed expressions give the same value
+    (or both refuse: division by zero, a result too large); token soups are refused where Python
+    refuses them and agree where Python accepts them."""
+    rng = random.Random(0)
+    alphabet = ["1", "7", "0", "12", "0x1f", "0b", "0o7", "9_9", "+", "-", "*", "//", "%", "(", ")", " ", "/", "**", "x", "05", "1_0", "."]
+    well_formed = [_random_expression(rng) for _ in range(3000)]
+    soups = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9))) for _ in range(3000)]
+    for cases, least_accepted in ((well_formed, 2000), (soups, 200)):
+        accepted = 0
+        for expr in cases:
+            if not expr.strip() or len(expr) > calculator.MAX_EXPR_CHARS:
+                continue
+            try:
+                expected = _reference_eval(expr)
+            except calculator.CalcError:
+                with pytest.raises(calculator.CalcError):
+                    calculator.safe_eval(expr)
+                continue
+            assert calculator.safe_eval(expr) == expected, expr
+            accepted += 1
+        # Both kinds exercise evaluation, not just refusal (the rest divide by zero, overflow, or
+        # are not Python).
+        assert accepted >= least_accepted
+
+
+def test_calculator_evaluates_on_many_threads_at_once():
+    """CPython 3.11's `ast.parse` fails with `SystemError: AST constructor recursion depth mismatch`
+    when two threads parse at once (gh-106905); the evaluator must not. Garbage with finalizers makes
+    the interpreter switch threads inside a parse (with `ast.parse`, ~200 failures a second)."""
+
+    class Finalized:
+        def __del__(self):
+            sum(range(50))
+
+    errors, stop = [], threading.Event()
+
+    def evaluate():
+        while not stop.is_set():
+            a, b = Finalized(), Finalized()
+            a.other, b.other = b, a
+            del a, b
+            try:
+                assert calculator.safe_eval("-(4 - 10) // 4 % 5 + 17*23*(3+4)") == 2738
+            except Exception as err:  # noqa: BLE001 - collected, asserted below
+                errors.append(err)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=evaluate) for _ in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
 
 
 def test_unknown_environment_and_difficulty():
