@@ -292,7 +292,13 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.sft = ml_collections.ConfigDict()
     config.sft.steps = 200  # Cold-start updates on scripted-expert trajectories (0 = none).
-    config.sft.batch_size = 64  # Fresh expert episodes per update (~0.2 s per update on 2 cores, model 207 host).
+    config.sft.batch_size = 64  # Expert episodes per update (~0.2 s per update on 2 cores, model 207 host).
+    # 0 = exactly batch_size demonstrations per update, their rows padded to learner.row_multiple
+    # (a train-step shape per row count: 4 here). N = N learner rows per update, filled with
+    # demonstrations in the order drawn, one that does not fit waiting for the next update: one
+    # shape, compiled once (on an accelerator, where each compile is slow); -1 = the rows batch_size
+    # demonstrations pack into on average, measured at the start.
+    config.sft.rows_per_update = 0
     config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
     config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.

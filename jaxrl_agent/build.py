@@ -879,6 +879,11 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"data.tasks={config.data.tasks!r}: no such file")
     demonstrations = config.data.demonstrations
     need(not demonstrations or os.path.isfile(demonstrations), f"data.demonstrations={demonstrations!r}: no such file")
+    rows = config.sft.rows_per_update
+    need(rows == -1 or (rows >= 0 and rows % config.learner.row_multiple == 0),
+         f"sft.rows_per_update={rows}: expected -1 (the rows sft.batch_size demonstrations "
+         f"pack into), 0 (exactly sft.batch_size demonstrations per update) or a multiple of "
+         f"learner.row_multiple={config.learner.row_multiple}")
     need(0.0 <= config.sft.delegate_share <= 1.0,
          f"sft.delegate_share={config.sft.delegate_share}: expected a share in [0, 1] (of demonstrations from "
          "an environment's delegating expert when rollout.delegate is set; the rest inline)")
@@ -1237,6 +1242,27 @@ def build_demonstrations(config, environments: "Environments", levels: dict, tok
                 for t in tasks.take(n)]
 
     return data.Demonstrations(demonstrate(config.sft.num_demonstrations), fresh=demonstrate)
+
+
+def build_sft_batches(config, demonstrations, rng, row_multiple: int):
+    """SFT's updates (`data.DemonstrationBatches`): this process's share of `sft.batch_size`
+    demonstrations each, or `sft.rows_per_update` learner rows filled with them (-1: the rows that
+    many pack into on average, measured on the first four updates' draws, the most of any process;
+    those draws are trained on first)."""
+    from jaxrl_agent import data, sharding
+
+    per_update, rows = sharding.process_share(config.sft.batch_size), int(config.sft.rows_per_update)
+    if rows == 0:
+        return data.DemonstrationBatches(demonstrations, rng, draw=per_update, row_length=config.learner.row_length)
+    first = []
+    if rows < 0:
+        first = [t for _ in range(4) for t in demonstrations.sample(rng, per_update)]
+        rows = int(sharding.agree_max([data.rows_for(first, per_update, config.learner.row_length, row_multiple)])[0])
+    elif rows % row_multiple:
+        raise ConfigError(f"sft.rows_per_update={rows}: expected a multiple of {row_multiple} "
+                          "(learner.row_multiple and the mesh's batch axes), 0 or -1")
+    return data.DemonstrationBatches(demonstrations, rng, draw=per_update, row_length=config.learner.row_length,
+                                     rows=rows, pending=first)
 
 
 def build_allocator(config, environments: "Environments", levels: dict):

@@ -255,3 +255,69 @@ class Demonstrations:
         if self.pool:
             return [self.pool[i] for i in rng.randint(len(self.pool), size=n)]
         return self.fresh(n)
+
+
+class DemonstrationBatches:
+    """SFT's updates from `Demonstrations`, `draw` (this process's `sft.batch_size`) at a time.
+
+    rows=None: each update is exactly `draw` demonstrations (their packed rows vary: a train-step
+    shape per row count). rows=R (`sft.rows_per_update`): each update fills R learner rows of
+    `row_length`, the demonstrations placed in the order drawn, first fit; one that does not fit
+    waits, first in line, for the next update — none is dropped. Every update then has one shape
+    (one compiled train step), about `draw` demonstrations when R is what `draw` of them pack into
+    on average (`rows_for`). Either way a demonstration with a sequence longer than a row cannot be
+    trained on: it is skipped and counted (`skipped`)."""
+
+    def __init__(self, demonstrations: Demonstrations, rng: np.random.RandomState, *, draw: int, row_length: int,
+                 rows: int | None = None, pending: Sequence[Trajectory] = ()):
+        if draw < 1 or (rows is not None and rows < 1):
+            raise ValueError(f"DemonstrationBatches: draw={draw} and rows={rows} must be >= 1")
+        self.demonstrations, self.rng = demonstrations, rng
+        self.draw, self.rows, self.row_length = draw, rows, row_length
+        self.pending: list[Trajectory] = []
+        self.skipped = 0
+        self._add(pending)
+
+    def _add(self, trajectories: Sequence[Trajectory]) -> None:
+        fitting = [t for t in trajectories if t.longest_segment <= self.row_length]
+        self.skipped += len(trajectories) - len(fitting)
+        self.pending.extend(fitting)
+
+    def next(self) -> list[Trajectory]:
+        """The next update's demonstrations (rows=R: the longest prefix of the waiting ones, drawing
+        more as needed, that first-fits into R rows; `replay.pack(..., decreasing=False)` lays them
+        out in those rows)."""
+        from jaxrl_agent.replay.packing import first_fit
+
+        if self.rows is None:
+            self._add(self.demonstrations.sample(self.rng, self.draw))
+            chosen, self.pending = self.pending, []
+            return chosen
+        for _ in range(1000):
+            placed, _ = first_fit(self.pending, self.row_length, self.rows)
+            if placed < len(self.pending):
+                break
+            self._add(self.demonstrations.sample(self.rng, self.draw))
+        else:  # the draws were all skipped as too long
+            raise ValueError(f"no demonstration fits a row of {self.row_length} tokens ({self.skipped} skipped)")
+        if placed == 0:
+            raise ValueError(f"a demonstration's sequences need more than {self.rows} rows of {self.row_length} "
+                             f"tokens (sft.rows_per_update={self.rows})")
+        chosen, self.pending = self.pending[:placed], self.pending[placed:]
+        return chosen
+
+
+def rows_for(trajectories: Sequence[Trajectory], per_update: int, row_length: int, multiple: int) -> int:
+    """The rows `per_update` demonstrations fill on average, first fit in order, over consecutive
+    groups of `trajectories` (at least one group), rounded to the nearest multiple of `multiple`
+    (at least one multiple): `sft.rows_per_update=-1`."""
+    from jaxrl_agent.replay.packing import first_fit
+
+    fitting = [t for t in trajectories if t.longest_segment <= row_length]
+    if not fitting:
+        raise ValueError(f"no demonstration fits a row of {row_length} tokens")
+    groups = [fitting[i:i + per_update] for i in range(0, len(fitting), per_update)]
+    groups = [g for g in groups if len(g) == per_update] or groups  # a short group only when it is all
+    mean = float(np.mean([first_fit(g, row_length)[1] * per_update / len(g) for g in groups]))
+    return max(multiple, int(round(mean / multiple)) * multiple)
+

@@ -59,21 +59,22 @@ def run_sft(run: Run) -> None:
                                                 first_seed=DEMONSTRATION_SEED_OFFSET + jax.process_index() * 10_000_000)
     if demonstrations.info is not None:
         run.log("data", 0, demonstrations.info)
-    skipped, start = 0, time.perf_counter()
+    batches = build.build_sft_batches(config, demonstrations, run.rng, learner.local_row_multiple(row_multiple))
+    if batches.rows is not None:
+        run.log("data", 0, {"sft_rows_per_update": batches.rows})
+    start = time.perf_counter()
     run.writer.console.bar("sft", c.steps, unit="step")
     for step in range(1, c.steps + 1):
-        trajectories = demonstrations.sample(run.rng, sharding.process_share(c.batch_size))  # this process's part
-        # Demonstrations longer than a learner row cannot be trained on: skip them, counted.
-        fitting = [t for t in trajectories if t.longest_segment <= config.learner.row_length]
-        skipped += len(trajectories) - len(fitting)
+        fitting = batches.next()  # skipped (batches.skipped): demonstrations longer than a learner row
         batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=learner.local_row_multiple(row_multiple),
+                               min_rows=batches.rows or 1, decreasing=batches.rows is None,
                                target_multiple=config.learner.target_multiple)
         state, metrics = step_fn(state, learner.global_batch(batch, run.mesh))
         postfix = None
         if _every(c.log_every, step) or step == c.steps:
             metrics = jax.device_get(metrics)
             run.log("sft", step, {"loss": metrics["loss"], "entropy": metrics["entropy"],
-                                  "grad_norm": metrics["grad_norm"], "skipped_demonstrations": skipped,
+                                  "grad_norm": metrics["grad_norm"], "skipped_demonstrations": batches.skipped,
                                   "seconds": time.perf_counter() - start})
             postfix = {"loss": float(metrics["loss"])}
         run.writer.console.advance(1, postfix)

@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from jaxrl_agent import data, envs, rollout, tokenizer as tok
+from jaxrl_agent import data, envs, replay, rollout, tokenizer as tok
 from jaxrl_agent.envs import tool_protocol as tp
+from jaxrl_agent.replay import Trajectory
 
 TOKENIZER = tok.CharTokenizer()
 CALC = envs.make("calculator")
@@ -127,3 +128,54 @@ def test_a_tfds_builder_as_the_task_source(tmp_path):
     task = stream.take(1)[0]
     seed = int(task.id.rsplit("/", 1)[1])
     assert CALC.sample_task(seed, task.difficulty) == task
+
+
+def _demo(n, seed):
+    mask = np.zeros(n, np.int32)
+    mask[n - 2:] = 1
+    return Trajectory(tokens=np.full(n, 5, np.int32), loss_mask=mask, sampler_logprobs=np.zeros(n, np.float32),
+                      policy_version=np.where(mask == 1, 0, -1).astype(np.int32), reward=0.0, advantage=1.0,
+                      task_id=f"demo{seed}")
+
+
+def test_sft_batches_of_fixed_rows_train_every_demonstration_once_in_the_order_drawn():
+    """rows=R: every update first-fits into R rows (one shape); the demonstrations come out in the
+    order drawn, none lost or repeated, the one that did not fit first in the next update; too-long
+    ones are skipped and counted. rows=None: exactly `draw` per update."""
+    rng = np.random.RandomState(0)
+    lengths = rng.randint(20, 90, size=400)
+    lengths[[7, 50]] = 200  # longer than a row
+    stream = iter([_demo(int(n), i) for i, n in enumerate(lengths)])
+    source = data.Demonstrations([], fresh=lambda n: [next(stream) for _ in range(n)])
+    batches = data.DemonstrationBatches(source, np.random.RandomState(1), draw=16, row_length=128, rows=8)
+    seen = []
+    for _ in range(20):
+        chosen = batches.next()
+        assert chosen and replay.first_fit(chosen, 128, max_rows=8)[0] == len(chosen)
+        batch, rows = replay.pack(chosen, 128, min_rows=8, decreasing=False)
+        assert batch.tokens.shape == (8, 128) and len(rows) <= 8
+        # Full: the next waiting demonstration would not have fitted as well.
+        assert replay.first_fit(chosen + batches.pending[:1], 128, max_rows=8)[0] == len(chosen)
+        seen += [t.task_id for t in chosen]
+    drawn = [f"demo{i}" for i in range(len(seen) + len(batches.pending) + batches.skipped)]
+    assert seen + [t.task_id for t in batches.pending] == [d for d in drawn if d not in ("demo7", "demo50")]
+    assert batches.skipped == 2
+    exact = data.DemonstrationBatches(data.Demonstrations([_demo(40, 0), _demo(300, 1)]), np.random.RandomState(0),
+                                      draw=64, row_length=128)
+    chosen = exact.next()
+    assert len(chosen) + exact.skipped == 64 and all(t.task_id == "demo0" for t in chosen)
+
+
+def test_rows_per_update_is_what_a_batch_packs_into_on_average():
+    """Demonstrations of 70 tokens: one per row of 128 (two do not fit), so 64 a batch fill 64 rows;
+    of 60 tokens two share a row: 32. Rounded to the nearest multiple, at least one multiple."""
+    assert data.rows_for([_demo(70, i) for i in range(256)], 64, 128, 4) == 64
+    assert data.rows_for([_demo(60, i) for i in range(256)], 64, 128, 8) == 32
+    assert data.rows_for([_demo(60, i) for i in range(10)], 64, 128, 4) == 32  # one short group, scaled
+    assert data.rows_for([_demo(60, 0), _demo(60, 1)], 2, 128, 4) == 4
+    # 70, 60, 70, 60, ...: a 70 shares a row with nothing (70 + 60 > 128), the 60s pair up: 32 + 16.
+    mixed = [_demo(60 if i % 2 else 70, i) for i in range(128)]
+    assert data.rows_for(mixed, 64, 128, 4) == 48
+    with pytest.raises(ValueError, match="no demonstration fits"):
+        data.rows_for([_demo(300, 0)], 64, 128, 4)
+

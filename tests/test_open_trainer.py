@@ -64,6 +64,8 @@ def _records(path):
     ("rollout.top_k", -1, r"rollout.top_k=-1: expected >= 0"),
     ("rollout.top_p", 0.0, r"rollout.top_p=0.0: expected in \(0, 1\]"),
     ("eval.initial", "sometimes", r"eval.initial='sometimes': expected one of auto, true, false"),
+    ("sft.rows_per_update", 6, r"sft.rows_per_update=6: expected -1 .* or a multiple of learner.row_multiple=4"),
+    ("sft.rows_per_update", -2, r"sft.rows_per_update=-2: expected -1"),
 ])
 def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, message):
     config = tiny_config(tmp_path)

@@ -7,6 +7,7 @@ import math
 import pathlib
 import re
 
+import jax
 import pytest
 
 from jaxrl_agent import build, checkpoint, config_lib, plot, run_schedule, trainer
@@ -135,6 +136,34 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     records = plot.load_records(str(tmp_path))
     drawn = [(stages, key) for _, lines in plot.invariant_panels(records) for stages, key, _ in lines]
     assert all(plot.series(records, stages, key)[0] for stages, key in drawn), drawn
+
+
+@pytest.mark.parametrize("rows_per_update", [-1, 8])
+def test_sft_updates_of_fixed_rows_compile_one_shape(tmp_path, monkeypatch, rows_per_update):
+    """sft.rows_per_update: every SFT update packs the same number of rows (-1: measured and
+    recorded at the start), the demonstrations first fit in the order drawn."""
+    from jaxrl_agent import replay
+
+    config = tiny_config(tmp_path)
+    config.sft.rows_per_update, config.sft.steps, config.rl.iterations = rows_per_update, 4, 0
+    config.metrics.tensorboard = False
+    shapes, original = [], replay.pack
+
+    def pack(trajectories, row_length, **kwargs):
+        batch, rows = original(trajectories, row_length, **kwargs)
+        shapes.append((batch.tokens.shape, kwargs.get("decreasing", True), len(trajectories)))
+        return batch, rows
+
+    monkeypatch.setattr(trainer.replay, "pack", pack)
+    path = trainer.train_and_evaluate(config, quiet=True)
+    records = [json.loads(line) for line in open(path)]
+    rows = next(r for r in records if r["stage"] == "data")["sft_rows_per_update"]
+    # -1: four demonstrations fill at most 4 rows of 256; rounded to the nearest multiple of the
+    # learner's row multiple (4, and the mesh's batch axes: every device), at least one multiple.
+    multiple = math.lcm(4, jax.device_count())
+    assert rows == (8 if rows_per_update == 8 else multiple)
+    assert [s[:2] for s in shapes] == [((rows, 256), False)] * 4
+    assert sum(s[2] for s in shapes) > 4 and [r["step"] for r in records if r["stage"] == "sft"] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """Packing variable-length trajectories into fixed [B, T] learner rows.
 
-First-fit decreasing: longest first, each into the first row with room. Each learner sequence of a
-trajectory (one, or one per `Trajectory.segments` entry) becomes one attention segment (ids 1, 2, ...
-within a row; 0 = padding) with positions restarting at 0, so attention never crosses sequences (`models.forward(..., segment_ids=...)`). Rows are padded to a multiple
-of `row_multiple` so that the jitted train step sees few distinct shapes.
+First-fit decreasing: longest first, each into the first row with room (or first fit in the given
+order, `decreasing=False`). Each learner sequence of a trajectory (one, or one per
+`Trajectory.segments` entry) becomes one attention segment (ids 1, 2, ... within a row; 0 =
+padding) with positions restarting at 0, so attention never crosses sequences
+(`models.forward(..., segment_ids=...)`). Rows are padded to a multiple of `row_multiple` so that
+the jitted train step sees few distinct shapes; `first_fit` fills a fixed number of rows from a
+stream (SFT's updates: one shape).
 
 The learner reads an iteration's trajectories through grain (`minibatch_dataset`): a seeded
 shuffle, cut into minibatches, each packed when it is read.
@@ -22,9 +25,12 @@ from jaxrl_agent.replay.trajectory import Trajectory
 
 def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: int = 1,
          min_rows: int = 1, target_multiple: int = 0, summary_weight: float = 1.0,
-         distill_envs: frozenset[str] | set[str] = frozenset()) -> tuple[PackedBatch, list[list[int]]]:
+         distill_envs: frozenset[str] | set[str] = frozenset(), decreasing: bool = True
+         ) -> tuple[PackedBatch, list[list[int]]]:
     """Returns (PackedBatch of numpy arrays, rows: for each row the indices of its trajectories, one
     entry per packed sequence).
+
+    decreasing=False packs first fit in the given order instead (the rows `first_fit` counts).
 
     target_multiple > 0 also fills `target_index` ([B, K]: each row's trained positions, padded
     with 0), K being the most trained tokens in a row rounded up to a multiple of target_multiple
@@ -41,7 +47,8 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
     the episodes of those environments, 0 elsewhere (the distillation term covers only them).
     """
     pieces = [(i, a, b) for i, t in enumerate(trajectories) for a, b in t.segments]
-    order = sorted(range(len(pieces)), key=lambda p: -(pieces[p][2] - pieces[p][1]))
+    order = sorted(range(len(pieces)), key=lambda p: -(pieces[p][2] - pieces[p][1])) if decreasing \
+        else range(len(pieces))
     rows: list[list[int]] = []
     members: list[list[tuple[int, int, int]]] = []
     room: list[int] = []
@@ -96,6 +103,33 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
                         target_index=target_index(out["loss_mask"], target_multiple) if target_multiple > 0 else None,
                         distill_mask=out["distill_mask"] if distill_envs else None)
     return batch, rows
+
+
+def first_fit(trajectories: Sequence[Trajectory], row_length: int, max_rows: int | None = None) -> tuple[int, int]:
+    """First fit in the given order: each sequence (`Trajectory.segments`) into the first of the
+    rows so far with room, else a new row, at most `max_rows` of them (None = no limit). Returns
+    (how many leading trajectories were placed, whole: it stops at the first that does not fit; the
+    rows they use). A fixed number of learner rows filled from a stream of trajectories (SFT's
+    `sft.rows_per_update`) takes the placed prefix; `pack` then lays it out (first fit decreasing,
+    which may use a different number of rows)."""
+    room: list[int] = []
+    for placed, trajectory in enumerate(trajectories):
+        trial = list(room)
+        for a, b in trajectory.segments:
+            n = b - a
+            if n > row_length:
+                raise ValueError(f"trajectory {trajectory.task_id!r}: a sequence of {n} tokens exceeds "
+                                 f"row_length={row_length}")
+            for r, free in enumerate(trial):
+                if free >= n:
+                    trial[r] -= n
+                    break
+            else:
+                trial.append(row_length - n)
+        if max_rows is not None and len(trial) > max_rows:
+            return placed, len(room)
+        room = trial
+    return len(trajectories), len(room)
 
 
 def target_index(loss_mask: np.ndarray, multiple: int) -> np.ndarray:

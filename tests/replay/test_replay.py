@@ -228,3 +228,24 @@ def test_an_episode_of_several_learner_sequences_is_checked_and_packed_per_seque
         np.testing.assert_array_equal(batch.advantages[r, :6], 0.5 * t.loss_mask[a:b])
     assert Trajectory.from_dict(t.to_dict()).segment_starts == (6,)
     assert Trajectory.from_dict({k: v for k, v in t.to_dict().items() if k != "segment_starts"}).segment_starts == ()
+
+
+def test_first_fit_places_a_prefix_in_order_and_pack_lays_it_out_in_those_rows():
+    """Golden values by hand: rows of 40, lengths 30, 12, 25, 7, 18, 30 in that order. First fit:
+    30 -> row 0 (10 left), 12 -> row 1 (28), 25 -> row 1 (3), 7 -> row 0 (3), 18 -> row 2 (22),
+    30 -> row 3. With at most 3 rows the last one does not fit: 5 placed."""
+    from jaxrl_agent.replay import first_fit
+
+    trajectories = [_traj(n=n, generated=(2, n - 1), seed=i) for i, n in enumerate([30, 12, 25, 7, 18, 30])]
+    assert first_fit(trajectories, 40) == (6, 4)
+    assert first_fit(trajectories, 40, max_rows=3) == (5, 3)
+    assert first_fit(trajectories, 40, max_rows=1) == (1, 1)
+    assert first_fit([], 40, max_rows=2) == (0, 0)
+    batch, rows = pack(trajectories[:5], 40, min_rows=3, decreasing=False)
+    assert rows == [[0, 3], [1, 2], [4]] and batch.tokens.shape[0] == 3
+    assert pack(trajectories[:5], 40, decreasing=True)[1] == [[0, 3], [2, 1], [4]]  # decreasing: 30, 25, 18, 12, 7
+    # A record of several learner sequences is placed whole or not at all.
+    split = _traj(n=12, generated=(3, 4, 9, 10), segment_starts=(6,))
+    assert first_fit([split], 8) == (1, 2) and first_fit([split], 8, max_rows=1) == (0, 0)
+    with pytest.raises(ValueError, match="exceeds row_length=40"):
+        first_fit([_traj(n=41)], 40)
