@@ -9,6 +9,13 @@ rebuilt on the replacement by replaying their actions — environments are deter
 (task, seed, actions) — so no other episode is affected. An exception raised by an environment's
 own code ends that episode with `"env_error"` and leaves the worker running.
 
+On an event loop (`areset` / `astep` / `aclose_episode`, what the rollout awaits) the requests of
+the loop's coroutines for one worker go out in batches: those that arrive while a batch is out are
+written together as the next one, and its replies come back in order — one pipe write, one wakeup
+of the worker and a few of the loop for many calls. Each request still has its own timeout
+(counted from the previous reply). A worker that dies or hangs mid-batch ends only the episode whose
+request it was serving; the requests after it never ran and are sent again to its replacement.
+
 `EnvService` is the interface the trainer uses; `EnvPool` (local) and `RemoteEnvPool`
 (`jaxrl_agent.envs.remote`, over TCP to `launch/env_server.py`) both implement it.
 """
@@ -16,6 +23,7 @@ own code ends that episode with `"env_error"` and leaves the worker running.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -69,20 +77,27 @@ class _WorkerDied(Exception):
         self.reason = reason
 
 
+class _Requeue(Exception):
+    """A request of a batch that its worker never served (it died or hung on an earlier one, or was
+    found dead before the batch went out): the call sends it again, to the replacement."""
+
+
 # Bytes read from a worker's stdout at a time.
 _READ_CHUNK = 1 << 16
-# Requests up to this size are written from the event loop (`_Worker.acall`): at most one request is
-# in a worker's stdin pipe at a time, and a pipe holds at least one page, so such a write never
-# blocks; longer ones are written on a thread.
+# A batch written from the event loop goes into the worker's empty stdin pipe (it has read every
+# earlier request: it replied to them) in one write of at most the pipe's capacity, so the write never
+# blocks; a request longer than that goes alone, written on a thread. Linux reports the capacity
+# (F_GETPIPE_SZ); elsewhere a pipe holds at least one page.
 _LOOP_WRITE_LIMIT = 4096
+_F_GETPIPE_SZ = 1032
 
 
 class _Worker:
     """One `python -m jaxrl_agent.envs.worker` process, spoken to in JSON lines over its stdin/stdout.
 
     A plain subprocess (not multiprocessing): nothing of the parent — JAX threads, the caller's
-    `__main__` — is inherited or re-imported. One call at a time (the pool's slot lock): a request
-    is written, then its reply read, from a blocking thread (`call`) or the event loop (`acall`)."""
+    `__main__` — is inherited or re-imported. One caller at a time (the pool's slot lock): a thread's
+    request is written and its reply read (`call`), or an event loop's batch (`_Batches`)."""
 
     def __init__(self, memory_mb, imports):
         args = [sys.executable, "-m", "jaxrl_agent.envs.worker", "--parent_pid", str(os.getpid())]
@@ -93,6 +108,13 @@ class _Worker:
         self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                         env=_worker_env())
         self._buffer = bytearray()  # bytes of the reply being read
+        self.pipe_capacity = _LOOP_WRITE_LIMIT
+        try:
+            import fcntl
+
+            self.pipe_capacity = max(_LOOP_WRITE_LIMIT, fcntl.fcntl(self.process.stdin.fileno(), _F_GETPIPE_SZ))
+        except (ImportError, OSError):
+            pass
 
     @property
     def pid(self) -> int:
@@ -133,49 +155,6 @@ class _Worker:
             raise _WorkerDied("env_crash") from None
         return json.loads(line)
 
-    async def acall(self, request: dict, timeout: float) -> dict:
-        """`call` on the running event loop: the request written and the reply read as the worker's
-        stdout becomes readable (`loop.add_reader`), no thread in between. A call cancelled while
-        its request is out leaves the worker's replies out of step with its requests, so the
-        worker is killed (the pool replaces it and replays its other episodes)."""
-        data = (json.dumps(request) + "\n").encode()
-        if len(data) > _LOOP_WRITE_LIMIT:  # may not fit the pipe at once: a blocking write, on a thread
-            try:
-                return await asyncio.to_thread(self.call, request, timeout)
-            except asyncio.CancelledError:
-                self.kill()  # the thread's call goes on without the slot: end it
-                raise
-        loop = asyncio.get_running_loop()
-        replied = loop.create_future()
-        out = self.process.stdout.fileno()
-
-        def readable() -> None:
-            if replied.done():
-                return
-            try:
-                self._read_some()
-            except (_WorkerDied, OSError, ValueError):
-                replied.set_exception(_WorkerDied("env_crash"))
-                return
-            if b"\n" in self._buffer:
-                replied.set_result(None)
-
-        try:
-            os.write(self.process.stdin.fileno(), data)
-        except (OSError, ValueError):
-            raise _WorkerDied("env_crash") from None
-        loop.add_reader(out, readable)
-        expiry = loop.call_later(timeout, _expire, replied)
-        try:
-            await replied
-        except asyncio.CancelledError:
-            self.kill()
-            raise
-        finally:
-            expiry.cancel()
-            loop.remove_reader(out)
-        return json.loads(self._take_line())
-
     def kill(self):
         if self.alive():
             self.process.kill()
@@ -197,17 +176,164 @@ class _Finished:
 
 def _resume(operation: Generator, outcome):
     """Resumes one of the pool's operations with the last call's outcome (its reply, the
-    _WorkerDied it raised — thrown in —, or None to start it): what it yields next (a slot, or a
-    request), or _Finished with what it returned."""
+    _WorkerDied or _Requeue it raised — thrown in —, or None to start it): what it yields next (a
+    slot, or a request), or _Finished with what it returned."""
     try:
-        return operation.throw(outcome) if isinstance(outcome, _WorkerDied) else operation.send(outcome)
+        return operation.throw(outcome) if isinstance(outcome, (_WorkerDied, _Requeue)) else operation.send(outcome)
     except StopIteration as stop:
         return _Finished(stop.value)
 
 
-def _expire(replied: asyncio.Future) -> None:
-    if not replied.done():
-        replied.set_exception(_WorkerDied("env_timeout"))
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Batches:
+    """One event loop's requests for one worker slot of a pool, written in batches.
+
+    `submit(request)` queues a request and returns a future of its reply line. While a batch is out,
+    new requests wait; when its last reply is in, they go out together as the next batch (one write,
+    at most the pipe's capacity; the slot's thread lock held meanwhile, so threads calling the same
+    worker take turns with whole batches). Replies come back in order and each resolves its future
+    as it is read. A request has `timeout` seconds from the previous reply (or the write). When the
+    worker dies or overruns a timeout, the pool replaces it (its episodes to be replayed); the request
+    it was serving gets the _WorkerDied, the ones after it _Requeue. A worker found dead before a
+    batch is written is replaced the same way and the whole batch gets _Requeue. Every request is
+    written even when its caller has gone (cancelled): the caller's operation undoes what it must."""
+
+    def __init__(self, pool: "EnvPool", index: int):
+        self.pool, self.index = pool, index
+        self.queue: collections.deque = collections.deque()  # (line, future), not yet written
+        self.running = False
+
+    def submit(self, request: dict) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.queue.append(((json.dumps(request) + "\n").encode(), future))
+        if not self.running:
+            self.running = True
+            loop.create_task(self._drain())
+        return future
+
+    async def _drain(self) -> None:
+        try:
+            while self.queue:
+                await self._next_batch()
+        except BaseException as err:  # noqa: BLE001 - no caller may wait forever
+            _fail_all(self.queue, EnvServiceError(f"env pool: batch failed: {err!r}"))
+            if not isinstance(err, Exception):
+                raise
+        finally:
+            self.running = False
+
+    async def _next_batch(self) -> None:
+        pool, index = self.pool, self.index
+        lock = pool._slot_locks[index]
+        if not lock.acquire(blocking=False):
+            taken = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+            try:
+                await asyncio.shield(taken)
+            except asyncio.CancelledError:
+                taken.add_done_callback(lambda _: lock.release())  # taken for no one: give it back
+                raise
+        try:
+            if pool._closed:
+                _fail_all(self.queue, EnvServiceError("the pool is closed"))
+                return
+            worker = pool._workers[index]
+            batch, data, size = [], [], 0
+            while self.queue and (not batch or size + len(self.queue[0][0]) <= worker.pipe_capacity):
+                line, future = self.queue.popleft()
+                batch.append(future)
+                data.append(line)
+                size += len(line)
+            try:
+                if not worker.alive():  # died while idle: nothing of this batch ran
+                    pool._replace(index, "env_crash")
+                    _fail(batch, None)
+                    return
+                await self._exchange(worker, b"".join(data), collections.deque(batch))
+            except BaseException as err:  # noqa: BLE001 - no caller of the batch may wait forever
+                for future in batch:
+                    if not future.done():
+                        future.set_exception(EnvServiceError(f"env pool: batch failed: {err!r}"))
+                raise
+        finally:
+            lock.release()
+
+    async def _exchange(self, worker: _Worker, data: bytes, in_flight: collections.deque) -> None:
+        """Writes the batch and resolves its futures from the replies, in order."""
+        pool, loop, timeout = self.pool, asyncio.get_running_loop(), self.pool.step_timeout_s
+        try:
+            if len(data) > worker.pipe_capacity:  # one long request: a blocking write, on a thread
+                await asyncio.to_thread(_write_all, worker.process.stdin.fileno(), data)
+            else:
+                os.write(worker.process.stdin.fileno(), data)
+        except (OSError, ValueError):  # gone before reading any of it: nothing ran
+            pool._replace(self.index, "env_crash")
+            _fail(in_flight, None)
+            return
+        died = await self._replies(worker, in_flight, loop, timeout)
+        if died is not None:
+            pool._replace(self.index, died.reason)
+            _fail(in_flight, died)
+
+    @staticmethod
+    async def _replies(worker: _Worker, in_flight: collections.deque, loop, timeout: float) -> _WorkerDied | None:
+        finished = loop.create_future()
+        deadline = time.monotonic() + timeout
+        out = worker.process.stdout.fileno()
+
+        def readable() -> None:
+            nonlocal deadline
+            if finished.done():
+                return
+            try:
+                worker._read_some()
+            except (_WorkerDied, OSError, ValueError):
+                finished.set_result(_WorkerDied("env_crash"))
+                return
+            while in_flight and (line := worker._take_line()) is not None:
+                future = in_flight.popleft()
+                if not future.done():  # a cancelled caller's reply is dropped
+                    future.set_result(line)
+                deadline = time.monotonic() + timeout
+            if not in_flight:
+                finished.set_result(None)
+
+        def check() -> None:
+            nonlocal timer
+            if finished.done():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                timer = loop.call_later(remaining, check)
+            else:
+                finished.set_result(_WorkerDied("env_timeout"))
+
+        loop.add_reader(out, readable)
+        timer = loop.call_later(timeout, check)
+        try:
+            return await finished
+        finally:
+            timer.cancel()
+            loop.remove_reader(out)
+
+
+def _fail_all(queue: collections.deque, err: Exception) -> None:
+    while queue:
+        _, future = queue.popleft()
+        if not future.done():
+            future.set_exception(err)
+
+
+def _fail(futures, died: _WorkerDied | None) -> None:
+    """The first of `futures` gets `died` (None: it too never ran), the rest _Requeue."""
+    for k, future in enumerate(futures):
+        if not future.done():
+            future.set_exception(died if k == 0 and died is not None else _Requeue())
 
 
 def _worker_env() -> dict:
@@ -241,8 +367,8 @@ class EnvPool:
         # One lock per worker slot, not per process: a replacement process keeps its slot's lock, so a
         # thread that waited on the slot while the process was replaced never shares the new one.
         self._slot_locks = [threading.Lock() for _ in range(num_workers)]
-        # Coroutines of one event loop queue for a slot on an asyncio lock, then take its thread lock.
-        self._loop_slot_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Each event loop's requests for a slot go out in batches (`_Batches`, one per loop and slot).
+        self._loop_batches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -270,8 +396,11 @@ class EnvPool:
             raise EnvServiceError("the pool is closed")
 
     def _replace(self, index: int, reason: str) -> None:
-        """Kills worker `index`, starts a new one, and marks its other episodes for replay."""
+        """Kills worker `index`, starts a new one (not once the pool is closed), and marks its
+        episodes for replay. Only the holder of the slot's lock calls it."""
         self._workers[index].kill()
+        if self._closed:
+            return
         self._workers[index] = _Worker(self._memory_mb, self._imports)
         self.stats["worker_restarts"] += 1
         self.stats[reason] += 1
@@ -293,19 +422,24 @@ class EnvPool:
 
     # -------------------------------------------------------------------------- the service
     # Each call is written once, as a generator: it yields the worker slot it needs, then each
-    # request for that slot's worker, receiving the reply (or the _WorkerDied the call raised,
-    # thrown in), and returns the call's result. `_run` drives it with blocking calls on the
-    # caller's thread, `_arun` on the event loop; the slot's lock is held between the two.
+    # request for that slot's worker, receiving the reply (or, thrown in, the _WorkerDied that ended
+    # it — the worker already replaced — or _Requeue: not served, to be sent again), and returns the
+    # call's result. `_run` drives it with blocking calls on the caller's thread (the slot's lock
+    # held throughout), `_arun` on the event loop (through the slot's `_Batches`); a coroutine that
+    # is cancelled closes it (GeneratorExit at its request).
     def _run(self, operation: Generator):
         index = _resume(operation, None)
         if isinstance(index, _Finished):
             return index.value
         with self._slot_locks[index]:
+            if not self._workers[index].alive():  # died while idle: its episodes are replayed
+                self._replace(index, "env_crash")
             outcome = None
             while not isinstance(request := _resume(operation, outcome), _Finished):
                 try:
                     outcome = self._workers[index].call(request, self.step_timeout_s)
                 except _WorkerDied as died:
+                    self._replace(index, died.reason)
                     outcome = died
             return request.value
 
@@ -313,28 +447,19 @@ class EnvPool:
         index = _resume(operation, None)
         if isinstance(index, _Finished):
             return index.value
-        # The slot's lock for a coroutine: in turn with the loop's other coroutines (an asyncio
-        # lock), then the thread lock (taken at once when no thread holds it).
-        queue = self._loop_slot_locks.setdefault(asyncio.get_running_loop(), {}).setdefault(index, asyncio.Lock())
-        async with queue:
-            lock = self._slot_locks[index]
-            if not lock.acquire(blocking=False):
-                taken = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
-                try:
-                    await asyncio.shield(taken)
-                except asyncio.CancelledError:
-                    taken.add_done_callback(lambda _: lock.release())  # taken for no one: give it back
-                    raise
+        batches = self._loop_batches.setdefault(asyncio.get_running_loop(), {})
+        if index not in batches:
+            batches[index] = _Batches(self, index)
+        outcome = None
+        while not isinstance(request := _resume(operation, outcome), _Finished):
             try:
-                outcome = None
-                while not isinstance(request := _resume(operation, outcome), _Finished):
-                    try:
-                        outcome = await self._workers[index].acall(request, self.step_timeout_s)
-                    except _WorkerDied as died:
-                        outcome = died
-                return request.value
-            finally:
-                lock.release()
+                outcome = json.loads(await batches[index].submit(request))
+            except (_WorkerDied, _Requeue) as err:
+                outcome = err
+            except asyncio.CancelledError:
+                operation.close()
+                raise
+        return request.value
 
     def _reset_op(self, env: str, task: api.Task, seed: int, env_kwargs: Mapping[str, Any] | None):
         self._check_open()
@@ -349,19 +474,25 @@ class EnvPool:
             ep = _Episode(env, dict(env_kwargs or {}), task, seed, imports, index)
             self._episodes[episode_id] = ep
         yield index
-        if not self._workers[index].alive():
-            self._replace(index, "env_crash")
-        try:
-            reply = yield self._reset_request(episode_id, ep)
-        except _WorkerDied as died:
-            self._replace(index, died.reason)
-            with self._lock:
-                self._episodes.pop(episode_id, None)
-            raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {died.reason}") from None
+        while True:
+            try:
+                reply = yield self._reset_request(episode_id, ep)
+            except _Requeue:
+                continue
+            except _WorkerDied as died:
+                with self._lock:
+                    self._episodes.pop(episode_id, None)
+                raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {died.reason}") from None
+            except GeneratorExit:  # cancelled: no one will know the episode (its worker keeps it until replaced)
+                with self._lock:
+                    self._episodes.pop(episode_id, None)
+                raise
+            break
         if "error" in reply:
             with self._lock:
                 self._episodes.pop(episode_id, None)
             raise EnvServiceError(f"reset of {task.id!r} on {env!r} failed: {reply['error']}")
+        ep.needs_replay = False  # the worker holds it now (a replacement meanwhile marked it)
         return episode_id, api.Observation.from_dict(reply["ok"])
 
     def _step_op(self, episode_id: str, action: str):
@@ -370,23 +501,25 @@ class EnvPool:
             ep = self._episodes.get(episode_id)
         if ep is None:
             raise EnvServiceError(f"unknown or finished episode {episode_id!r}")
-        index = ep.worker
-        yield index
-        if not self._workers[index].alive():
-            # Died while idle (nothing in flight): replace it; this episode is simply replayed.
-            self._replace(index, "env_crash")
-        try:
-            if ep.needs_replay:
-                self.stats["replays"] += 1
-                reply = yield self._reset_request(episode_id, ep, ep.actions)
-                if "error" in reply:
-                    self.stats["env_crash"] += 1
-                    return self._failed_step(episode_id, "env_crash", f"replay failed: {reply['error']}")
-                ep.needs_replay = False
-            reply = yield {"op": "step", "episode": episode_id, "action": action}
-        except _WorkerDied as died:
-            self._replace(index, died.reason)
-            return self._failed_step(episode_id, died.reason, f"worker {died.reason} during step")
+        yield ep.worker
+        while True:
+            try:
+                if ep.needs_replay:  # its worker was replaced: rebuild it from its actions first
+                    self.stats["replays"] += 1
+                    reply = yield self._reset_request(episode_id, ep, ep.actions)
+                    if "error" in reply:
+                        self.stats["env_crash"] += 1
+                        return self._failed_step(episode_id, "env_crash", f"replay failed: {reply['error']}")
+                    ep.needs_replay = False
+                reply = yield {"op": "step", "episode": episode_id, "action": action}
+            except _Requeue:
+                continue
+            except _WorkerDied as died:
+                return self._failed_step(episode_id, died.reason, f"worker {died.reason} during step")
+            except GeneratorExit:  # cancelled: the worker may apply the action; rebuild from the record
+                ep.needs_replay = True
+                raise
+            break
         if "error" in reply:
             if reply.get("kind") == "env":
                 self.stats["env_error"] += 1
@@ -407,8 +540,8 @@ class EnvPool:
         yield ep.worker
         try:
             yield {"op": "close", "episode": episode_id}
-        except _WorkerDied as died:
-            self._replace(ep.worker, died.reason)
+        except (_Requeue, _WorkerDied):
+            pass  # its worker was replaced: the replacement never held it
 
     def reset(self, env: str, task: api.Task, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
               ) -> tuple[str, api.Observation]:

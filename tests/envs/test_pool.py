@@ -233,7 +233,10 @@ def test_coroutines_and_threads_take_turns_on_one_worker():
         assert p.stats["worker_restarts"] == 0
 
 
-def test_a_cancelled_coroutine_step_replaces_its_worker_and_loses_no_other_episode():
+def test_a_cancelled_coroutine_step_loses_no_episode_and_keeps_its_worker():
+    """A cancelled step's request still runs in the worker; its reply is dropped (the replies after
+    it stay in step with their requests), and its episode is rebuilt from its recorded actions
+    before its next step, so the cancelled action never counts."""
     with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
         episodes = _open(p, 3)
         for e in episodes:
@@ -241,16 +244,93 @@ def test_a_cancelled_coroutine_step_replaces_its_worker_and_loses_no_other_episo
         busy = p.worker_pids()[0]
 
         async def scenario():
-            slow = asyncio.ensure_future(p.astep(episodes[0], "sleep:3"))
+            slow = asyncio.ensure_future(p.astep(episodes[0], "sleep:1"))
             await asyncio.sleep(0.3)
-            slow.cancel()  # its reply would arrive after the next request was sent: the worker must go
+            slow.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await slow
-            return [await _acount(p, e) for e in episodes[1:]]
+            # Sent while the cancelled one is out: they wait for it, then get their own replies.
+            return await asyncio.gather(*(_acount(p, e) for e in episodes[1:]))
 
         assert _arun(scenario()) == [2, 2]
-        assert busy not in p.worker_pids() and p.stats["worker_restarts"] == 1
-        assert _count(p, episodes[0]) == 2  # the cancelled step never happened: replayed from its actions
+        assert p.worker_pids() == [busy] and p.stats["worker_restarts"] == 0
+        assert _count(p, episodes[0]) == 2 and p.stats["replays"] == 1  # replayed from its one recorded action
+
+
+@pytest.mark.parametrize("fault, reason", [("crash", "env_crash"), ("hang", "env_timeout")])
+def test_a_fault_in_the_middle_of_a_batch_ends_only_its_episode(fault, reason):
+    """One batch on one worker: steps before the faulting one keep their replies, the faulting one
+    ends its episode, the ones after it (never served) go to the replacement, their episodes
+    replayed first; every episode's count stays its own."""
+    with pool_lib.EnvPool(1, step_timeout_s=1.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        episodes = _open(p, 6)
+
+        async def scenario():
+            first = [await _acount(p, e) for e in episodes]  # one at a time: each episode at count 1
+            lead = asyncio.ensure_future(p.astep(episodes[0], "sleep:0.2"))  # out alone; the rest queue behind it
+            await asyncio.sleep(0.05)
+            batch = [p.astep(e, "count") for e in episodes[1:3]] + [p.astep(episodes[3], fault)] \
+                + [p.astep(e, "count") for e in episodes[4:]]
+            steps = await asyncio.gather(lead, *batch)
+            after = await asyncio.gather(*(_acount(p, e) for e in episodes if e != episodes[3]))
+            return first, steps, after
+
+        first, steps, after = _arun(scenario())
+        assert first == [1] * 6
+        assert [s.observation.text for s in steps[:3]] == ["count=2", "count=2", "count=2"]  # 'sleep:S' counts too
+        assert steps[3].done and steps[3].info["finish_reason"] == reason
+        assert [s.observation.text for s in steps[4:]] == ["count=2", "count=2"]  # requeued, after a replay
+        assert after == [3, 3, 3, 3, 3]
+        assert p.stats["worker_restarts"] == 1 and p.stats[reason] == 1
+
+
+def test_closing_the_pool_under_coroutine_steps_ends_them_all():
+    """A pool closed while a batch is out and more wait: every awaiting step ends (a failed step, at
+    the latest after the step timeout, or the pool's error), none waits forever on a worker that
+    will not come back."""
+    p = pool_lib.EnvPool(1, step_timeout_s=2.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"])
+    episodes = _open(p, 4)
+
+    async def scenario():
+        steps = [asyncio.ensure_future(p.astep(e, "sleep:1")) for e in episodes]
+        await asyncio.sleep(0.2)
+        p.close()
+        return await asyncio.wait_for(asyncio.gather(*steps, return_exceptions=True), 20)
+
+    results = _arun(scenario())
+    assert len(results) == 4
+    for result in results:
+        assert isinstance(result, pool_lib.EnvServiceError) or (result.done and not result.info["success"]), result
+    assert not any(w.alive() for w in p._workers)
+
+
+def test_coroutine_steps_on_one_worker_go_out_in_batches():
+    """Steps of many episodes awaited together on one worker: fewer writes than requests (later
+    ones wait for the batch out, then go together), every reply its own episode's, in order."""
+    with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
+        episodes = _open(p, 48)
+        writes = []
+        real_write = os.write
+
+        def counting_write(fd, data):
+            writes.append(len(data))
+            return real_write(fd, data)
+
+        async def scenario():
+            counts = []
+            for _ in range(3):
+                counts.append(await asyncio.gather(*(_acount(p, e) for e in episodes)))
+            return counts
+
+        os.write = counting_write
+        try:
+            counts = _arun(scenario())
+        finally:
+            os.write = real_write
+        assert counts == [[1] * 48, [2] * 48, [3] * 48]
+        # 144 requests: each round's first goes out alone, the other 47 (arrived meanwhile) together.
+        assert len(writes) <= 6, writes
+        assert [_count(p, e) for e in episodes] == [4] * 48
 
 
 def test_a_request_longer_than_a_pipe_write_goes_through():
