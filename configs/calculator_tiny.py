@@ -141,12 +141,12 @@ def get_config() -> ml_collections.ConfigDict:
     # each task's environment drawn with these weights; '' = env.name alone. Success, entropy,
     # signal share and evaluation are reported per environment.
     config.env.mixture = ""
-    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; 12-22% of
-    # an RL iteration here over 'inprocess', benchmarks/RESULTS.md), 'inprocess' (threads of this
-    # process, with a step watchdog: for trusted, cheap environments), 'auto' ('inprocess' when every
-    # environment of the run is one of the library's pure ones, as calculator is; else 'pool') or
-    # 'host:port[,host:port...]' (remote launch/env_server.py servers, load-balanced by episode,
-    # failing over to the others).
+    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; ~3% of an
+    # RL iteration here over 'inprocess', 12-22% before requests were batched: benchmarks/RESULTS.md),
+    # 'inprocess' (threads of this process, with a step watchdog: for trusted, cheap environments),
+    # 'auto' ('inprocess' when every environment of the run is one of the library's pure ones, as
+    # calculator is; else 'pool') or 'host:port[,host:port...]' (remote launch/env_server.py
+    # servers, load-balanced by episode, failing over to the others).
     config.env.service = "auto"
     # A step that takes longer ends its episode as finish_reason 'env_timeout' (the run goes on).
     config.env.step_timeout_s = 30.0
