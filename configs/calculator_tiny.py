@@ -141,8 +141,8 @@ def get_config() -> ml_collections.ConfigDict:
     # each task's environment drawn with these weights; '' = env.name alone. Success, entropy,
     # signal share and evaluation are reported per environment.
     config.env.mixture = ""
-    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; ~3% of an
-    # RL iteration here over 'inprocess', 12-22% before requests were batched: benchmarks/RESULTS.md),
+    # Where environments run: 'pool' (worker processes: step timeouts and crash isolation; 3-17% of
+    # an RL iteration here over 'inprocess', 12-22% before requests were batched: benchmarks/RESULTS.md),
     # 'inprocess' (threads of this process, with a step watchdog: for trusted, cheap environments),
     # 'auto' ('inprocess' when every environment of the run is one of the library's pure ones, as
     # calculator is; else 'pool') or 'host:port[,host:port...]' (remote launch/env_server.py
