@@ -54,20 +54,12 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
     room: list[int] = []
     for p in order:
         i, a, b = pieces[p]
-        n = b - a
-        if n > row_length:
-            raise ValueError(f"trajectory {trajectories[i].task_id!r}: a sequence of {n} tokens exceeds "
-                             f"row_length={row_length}")
-        for r, free in enumerate(room):
-            if free >= n:
-                rows[r].append(i)
-                members[r].append(pieces[p])
-                room[r] -= n
-                break
-        else:
-            rows.append([i])
-            members.append([pieces[p]])
-            room.append(row_length - n)
+        r = _place(room, b - a, row_length, trajectories[i].task_id)
+        if r == len(rows):
+            rows.append([])
+            members.append([])
+        rows[r].append(i)
+        members[r].append(pieces[p])
     count = max(len(rows), min_rows)
     count = -(-count // row_multiple) * row_multiple
     shape = (count, row_length)
@@ -105,27 +97,31 @@ def pack(trajectories: Sequence[Trajectory], row_length: int, *, row_multiple: i
     return batch, rows
 
 
+def _place(room: list[int], n: int, row_length: int, task_id: str) -> int:
+    """First fit of a sequence of `n` tokens: the first row of `room` (free tokens per row) with `n`
+    free, else a new row (appended); its index. The row's room shrinks by `n`."""
+    if n > row_length:
+        raise ValueError(f"trajectory {task_id!r}: a sequence of {n} tokens exceeds row_length={row_length}")
+    for r, free in enumerate(room):
+        if free >= n:
+            room[r] -= n
+            return r
+    room.append(row_length - n)
+    return len(room) - 1
+
+
 def first_fit(trajectories: Sequence[Trajectory], row_length: int, max_rows: int | None = None) -> tuple[int, int]:
     """First fit in the given order: each sequence (`Trajectory.segments`) into the first of the
     rows so far with room, else a new row, at most `max_rows` of them (None = no limit). Returns
     (how many leading trajectories were placed, whole: it stops at the first that does not fit; the
     rows they use). A fixed number of learner rows filled from a stream of trajectories (SFT's
-    `sft.rows_per_update`) takes the placed prefix; `pack` then lays it out (first fit decreasing,
-    which may use a different number of rows)."""
+    `sft.rows_per_update`) takes the placed prefix; `pack(..., decreasing=False)` lays it out in the
+    same rows."""
     room: list[int] = []
     for placed, trajectory in enumerate(trajectories):
         trial = list(room)
         for a, b in trajectory.segments:
-            n = b - a
-            if n > row_length:
-                raise ValueError(f"trajectory {trajectory.task_id!r}: a sequence of {n} tokens exceeds "
-                                 f"row_length={row_length}")
-            for r, free in enumerate(trial):
-                if free >= n:
-                    trial[r] -= n
-                    break
-            else:
-                trial.append(row_length - n)
+            _place(trial, b - a, row_length, trajectory.task_id)
         if max_rows is not None and len(trial) > max_rows:
             return placed, len(room)
         room = trial
