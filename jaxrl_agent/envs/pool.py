@@ -155,14 +155,16 @@ class _Worker:
             raise _WorkerDied("env_crash") from None
         return json.loads(line)
 
-    def kill(self):
+    def kill(self, close_stdout: bool = True):
+        """Ends the process and closes its pipes; `close_stdout=False` leaves its stdout to a caller
+        still reading it (it reads the end of the stream, then replaces the worker)."""
         if self.alive():
             self.process.kill()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (self.process.stdin, self.process.stdout):
+        for stream in (self.process.stdin, self.process.stdout) if close_stdout else (self.process.stdin,):
             try:
                 stream.close()
             except OSError:
@@ -581,13 +583,20 @@ class EnvPool:
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers:
+        for index, worker in enumerate(self._workers):
             try:
                 worker.process.stdin.close()  # the worker exits at end of input
                 worker.process.wait(timeout=2)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-            worker.kill()
+            # A call in flight (a thread's, or an event loop's batch, holding the slot) reads the
+            # end of the worker's output at once and ends; its stdout is left for it to close.
+            idle = self._slot_locks[index].acquire(blocking=False)
+            try:
+                worker.kill(close_stdout=idle)
+            finally:
+                if idle:
+                    self._slot_locks[index].release()
 
     def __enter__(self):
         return self
