@@ -335,13 +335,21 @@ def test_coroutine_steps_on_one_worker_go_out_in_batches():
         assert [_count(p, e) for e in episodes] == [4] * 48
 
 
-def test_a_request_longer_than_a_pipe_write_goes_through():
+def test_a_request_longer_than_the_pipe_goes_through():
+    """A request longer than the worker's pipe holds is written on a thread, alone in its batch; the
+    requests queued behind it go out after it, with their own replies."""
     with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
-        (episode,) = _open(p, 1)
-        action = "sleep:0" + "0" * (4 * pool_lib._LOOP_WRITE_LIMIT)  # a long action (a float with many zeros)
-        step = _arun(p.astep(episode, action))
-        assert step.observation.text == "count=1"
-        assert _count(p, episode) == 2
+        first, second = _open(p, 2)
+        capacity = p._workers[0].pipe_capacity
+        assert capacity >= pool_lib._LOOP_WRITE_LIMIT
+        action = "sleep:0" + "0" * (2 * capacity)  # a long action (a float with many zeros)
+
+        async def scenario():
+            return await asyncio.gather(p.astep(first, action), p.astep(second, "count"), p.astep(first, "count"))
+
+        steps = _arun(scenario())
+        assert [s.observation.text for s in steps] == ["count=1", "count=1", "count=2"]
+        assert _count(p, first) == 3
 
 
 def test_service_env_awaits_a_service_s_coroutines_and_threads_the_rest(monkeypatch):
