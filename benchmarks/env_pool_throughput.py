@@ -122,12 +122,12 @@ def event_loop_table(env_name: str, episodes: int, rounds: int, workers: int):
     executor = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="env")
     pool = pool_lib.EnvPool(workers, step_timeout_s=60)
     modes = {
-        "in process, on the loop": (lambda: rollout.InProcessEnv(envs.make(env_name)), []),
+        "in process, on the loop": (lambda: rollout.InProcessEnv(envs.make(env_name)), False),
         "in process, thread + watchdog": (
-            lambda: rollout.InProcessEnv(envs.make(env_name), executor=executor, step_timeout_s=60), []),
-        f"pool ({workers} workers), coroutine calls": (lambda: rollout.ServiceEnv(pool, env_name), pool),
+            lambda: rollout.InProcessEnv(envs.make(env_name), executor=executor, step_timeout_s=60), False),
+        f"pool ({workers} workers), coroutine calls": (lambda: rollout.ServiceEnv(pool, env_name), True),
         f"pool ({workers} workers), calls in threads": (
-            lambda: rollout.ServiceEnv(_BlockingCallsOnly(pool), env_name), pool),
+            lambda: rollout.ServiceEnv(_BlockingCallsOnly(pool), env_name), True),
     }
     loop = asyncio.new_event_loop()
 
@@ -142,8 +142,8 @@ def event_loop_table(env_name: str, episodes: int, rounds: int, workers: int):
             loop.run_until_complete(batch(make_adapter, 0))
         for r in range(rounds):
             order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
-            for name, (make_adapter, service) in order:
-                pids = pool.worker_pids() if service else []
+            for name, (make_adapter, in_pool) in order:
+                pids = pool.worker_pids() if in_pool else []
                 cpu0, workers0, t0 = time.process_time(), _process_cpu_seconds(pids), time.perf_counter()
                 steps = loop.run_until_complete(batch(make_adapter, 10_000 * (r + 1)))
                 wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0

@@ -320,4 +320,3 @@ def rows_for(trajectories: Sequence[Trajectory], per_update: int, row_length: in
     groups = [g for g in groups if len(g) == per_update] or groups  # a short group only when it is all
     mean = float(np.mean([first_fit(g, row_length)[1] * per_update / len(g) for g in groups]))
     return max(multiple, int(round(mean / multiple)) * multiple)
-

@@ -59,14 +59,15 @@ def run_sft(run: Run) -> None:
                                                 first_seed=DEMONSTRATION_SEED_OFFSET + jax.process_index() * 10_000_000)
     if demonstrations.info is not None:
         run.log("data", 0, demonstrations.info)
-    batches = build.build_sft_batches(config, demonstrations, run.rng, learner.local_row_multiple(row_multiple))
+    local_multiple = learner.local_row_multiple(row_multiple)
+    batches = build.build_sft_batches(config, demonstrations, run.rng, local_multiple)
     if batches.rows is not None:
         run.log("data", 0, {"sft_rows_per_update": batches.rows})
     start = time.perf_counter()
     run.writer.console.bar("sft", c.steps, unit="step")
     for step in range(1, c.steps + 1):
         fitting = batches.next()  # skipped (batches.skipped): demonstrations longer than a learner row
-        batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=learner.local_row_multiple(row_multiple),
+        batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=local_multiple,
                                min_rows=batches.rows or 1, decreasing=batches.rows is None,
                                target_multiple=config.learner.target_multiple)
         state, metrics = step_fn(state, learner.global_batch(batch, run.mesh))

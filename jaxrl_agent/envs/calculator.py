@@ -34,8 +34,7 @@ _BINARY = {
 MAX_EXPR_CHARS = 200
 MAX_MAGNITUDE = 10**18
 # Tokens: an integer literal as Python writes one (decimal, 0x/0o/0b, single underscores), an operator
-# or parenthesis,
-# or any other character (refused by name). `**` and `/` are recognised to be refused by name too.
+# or parenthesis, or any other word or character (refused by name; so are `**` and `/`).
 _TOKEN_RE = re.compile(r"\s*(?:(0[xX](?:_?[0-9a-fA-F])+|0[oO](?:_?[0-7])+|0[bB](?:_?[01])+|[0-9](?:_?[0-9])*)"
                        r"|(//|\*\*|[-+*%()/])|(\w+|\S))")
 

@@ -88,7 +88,7 @@ _READ_CHUNK = 1 << 16
 # earlier request: it replied to them) in one write of at most the pipe's capacity, so the write never
 # blocks; a request longer than that goes alone, written on a thread. Linux reports the capacity
 # (F_GETPIPE_SZ); elsewhere a pipe holds at least one page.
-_LOOP_WRITE_LIMIT = 4096
+_MIN_PIPE_CAPACITY = 4096
 _F_GETPIPE_SZ = 1032
 
 
@@ -108,11 +108,11 @@ class _Worker:
         self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                         env=_worker_env())
         self._buffer = bytearray()  # bytes of the reply being read
-        self.pipe_capacity = _LOOP_WRITE_LIMIT
+        self.pipe_capacity = _MIN_PIPE_CAPACITY
         try:
             import fcntl
 
-            self.pipe_capacity = max(_LOOP_WRITE_LIMIT, fcntl.fcntl(self.process.stdin.fileno(), _F_GETPIPE_SZ))
+            self.pipe_capacity = max(_MIN_PIPE_CAPACITY, fcntl.fcntl(self.process.stdin.fileno(), _F_GETPIPE_SZ))
         except (ImportError, OSError):
             pass
 

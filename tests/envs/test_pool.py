@@ -341,7 +341,7 @@ def test_a_request_longer_than_the_pipe_goes_through():
     with pool_lib.EnvPool(1, step_timeout_s=5.0, worker_memory_mb=1024, imports=["jaxrl_agent.envs.testing"]) as p:
         first, second = _open(p, 2)
         capacity = p._workers[0].pipe_capacity
-        assert capacity >= pool_lib._LOOP_WRITE_LIMIT
+        assert capacity >= pool_lib._MIN_PIPE_CAPACITY
         action = "sleep:0" + "0" * (2 * capacity)  # a long action (a float with many zeros)
 
         async def scenario():
