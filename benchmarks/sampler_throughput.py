@@ -14,7 +14,8 @@ that compiles everything. Baselines measured in the same run:
   * naive: one jitted full forward over the whole (padded) sequence per new token, batch =
     concurrency — what decoding costs without a KV cache;
   * in-process: `LocalSampler` over our `AgentEngine` (continuous batching, KV cache,
-    `steps_per_call` decode steps per call);
+    `steps_per_call` decode steps per call), its decode options chosen for this host as a run
+    chooses them (`--decode_options`, default 'auto'; `sampling.host_tuning`);
   * server: `launch/sampler_server.py` in a subprocess, reached through `SamplerClient` over gRPC.
 """
 
@@ -39,6 +40,7 @@ sys.path.insert(0, ROOT)
 from jaxrl_agent import models, tokenizer as tok  # noqa: E402
 from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams  # noqa: E402
 from served_baseline import ServedBaseline  # noqa: E402
+import launcher_runs  # noqa: E402
 
 MODEL = dict(architecture="qwen3", qk_norm=True, vocab_size=8192, hidden_size=256, intermediate_size=768,
              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
@@ -82,13 +84,29 @@ def _cache_length(new_tokens):
 
 # --max_steps_per_call (the engine's max_steps_per_call for every engine this script builds).
 MAX_STEPS_PER_CALL = 16
+# --decode_options: how the engines this script builds choose their decode loop's XLA:CPU options,
+# as `sampler.decode_options` does in a run ('auto': the choice cached for this host and shape, else
+# measured now and cached beside the default config's compilation cache, as the trainer does).
+DECODE_OPTIONS = "auto"
 
 
 def _engine(config, params, slots, steps, new_tokens, decode_compiler_options=None):
-    return AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
-                       max_cache_length=_cache_length(new_tokens), steps_per_call=steps,
-                       max_steps_per_call=MAX_STEPS_PER_CALL, stop_token_ids=[-1],
-                       decode_compiler_options=decode_compiler_options)
+    """An engine of the benchmark's shape: with `decode_compiler_options` those options, else the
+    ones `DECODE_OPTIONS` chooses for this host (`host_tuning.tune_engine`, as a run's engine)."""
+    from jaxrl_agent.sampling import host_tuning
+
+    engine = AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
+                         max_cache_length=_cache_length(new_tokens), steps_per_call=steps,
+                         max_steps_per_call=MAX_STEPS_PER_CALL, stop_token_ids=[-1],
+                         decode_compiler_options=decode_compiler_options)
+    if decode_compiler_options is None and jax.default_backend() == "cpu":
+        host_tuning.tune_engine(engine, DECODE_OPTIONS, cache_path=launcher_runs.host_choices_path())
+    return engine
+
+
+def _decode_choice(sampler) -> str:
+    choice = getattr(sampler.engine, "decode_choice", None)
+    return f"; decode options {choice.describe()}" if choice is not None else ""
 
 
 def bench_local(sampler, concurrency, new_tokens):
@@ -148,6 +166,7 @@ def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=
     a batched prefill of 8 prompts into 8 slots, and one `generate` call of `steps` decode steps
     over 8 live slots (greedy at temperature 0, else sampled). Returns (prefill ms, generate ms)."""
     engine = _engine(config, params, 8, steps, new_tokens)
+    print(f"decode options {engine.decode_choice.describe()}" if hasattr(engine, "decode_choice") else "", flush=True)
     sampling = SamplingParams(temperature=temperature, max_tokens=new_tokens)
     prompts = [np.asarray(p, np.int32) for p in _prompts(8)]
     prefill, generate = [], []
@@ -176,6 +195,7 @@ def compare_with_tunix(config, params, python, steps, new_tokens, repeats, round
         if 8 % lanes:
             raise SystemExit(f"--lanes={lanes}: expected a divisor of the 8 slots")
         with LocalSampler([_engine(config, params, 8 // lanes, steps, new_tokens) for _ in range(lanes)]) as eight:
+            choice = _decode_choice(eight)
             for _ in range(rounds):
                 ours = [bench_local(eight, 8, new_tokens) for _ in range(repeats)]
                 theirs = tunix.request(repeats)
@@ -188,7 +208,8 @@ def compare_with_tunix(config, params, python, steps, new_tokens, repeats, round
     print(f"\n| batch 8, {new_tokens} new tokens ({rounds} alternating rounds of {repeats}) | tokens/s |\n|---|---|\n"
           f"| tunix Sampler | {theirs:,.0f} |\n| our engine (8 slots, in-process, {lanes} engine(s)) | {ours:,.0f} |\n"
           f"| ratio ours / tunix | {ours / theirs:.2f} |\n")
-    print("per-round ratios: " + ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})\n")
+    print("per-round ratios: " + ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})"
+          + choice + "\n")
 
 
 def compare_decode_options(config, params, slots: int, steps: int, new_tokens: int, rounds: int = 30):
@@ -230,6 +251,9 @@ def main():
     parser.add_argument("--max_steps_per_call", type=int, default=16,
                         help="The most steps a call runs while no request finishes (the configs' default; "
                              "0 = steps_per_call).")
+    parser.add_argument("--decode_options", default="auto",
+                        help="The in-process engines' decode options, as sampler.decode_options: 'auto' (this "
+                             "host's cached or measured choice, as a run makes it), 'builtin', or option set names.")
     parser.add_argument("--skip_server", action="store_true")
     parser.add_argument("--breakdown", action="store_true",
                         help="Only time the 8-slot engine's batched prefill and one generate call, then exit.")
@@ -248,8 +272,9 @@ def main():
     parser.add_argument("--peak_gbs", type=float, default=0.0,
                         help="Memory bandwidth in GB/s: also print the in-process engine against the decode roofline.")
     args = parser.parse_args()
-    global MAX_STEPS_PER_CALL
+    global MAX_STEPS_PER_CALL, DECODE_OPTIONS
     MAX_STEPS_PER_CALL = args.max_steps_per_call
+    DECODE_OPTIONS = args.decode_options
     if args.tunix_python and (args.model != "tiny" or args.dtype != "float32"):
         parser.error("--tunix_python compares the tiny float32 shape only (tunix_sampler_baseline.py builds that one)")
     model = dict(MODELS[args.model], param_dtype=args.dtype, dtype=args.dtype)
