@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxrl_agent import models, tokenizer as tok  # noqa: E402
-from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams  # noqa: E402
+from jaxrl_agent.sampling import AgentEngine, LocalSampler, SamplingParams, host_tuning  # noqa: E402
 from served_baseline import ServedBaseline  # noqa: E402
 import launcher_runs  # noqa: E402
 
@@ -93,8 +93,6 @@ DECODE_OPTIONS = "auto"
 def _engine(config, params, slots, steps, new_tokens, decode_compiler_options=None):
     """An engine of the benchmark's shape: with `decode_compiler_options` those options, else the
     ones `DECODE_OPTIONS` chooses for this host (`host_tuning.tune_engine`, as a run's engine)."""
-    from jaxrl_agent.sampling import host_tuning
-
     engine = AgentEngine(config, params, tok.CharTokenizer(), max_concurrent_decodes=slots, max_prefill_length=16,
                          max_cache_length=_cache_length(new_tokens), steps_per_call=steps,
                          max_steps_per_call=MAX_STEPS_PER_CALL, stop_token_ids=[-1],
@@ -166,7 +164,8 @@ def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=
     a batched prefill of 8 prompts into 8 slots, and one `generate` call of `steps` decode steps
     over 8 live slots (greedy at temperature 0, else sampled). Returns (prefill ms, generate ms)."""
     engine = _engine(config, params, 8, steps, new_tokens)
-    print(f"decode options {engine.decode_choice.describe()}" if hasattr(engine, "decode_choice") else "", flush=True)
+    if hasattr(engine, "decode_choice"):
+        print(f"decode options {engine.decode_choice.describe()}", flush=True)
     sampling = SamplingParams(temperature=temperature, max_tokens=new_tokens)
     prompts = [np.asarray(p, np.int32) for p in _prompts(8)]
     prefill, generate = [], []
