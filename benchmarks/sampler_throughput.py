@@ -102,9 +102,10 @@ def _engine(config, params, slots, steps, new_tokens, decode_compiler_options=No
     return engine
 
 
-def _decode_choice(sampler) -> str:
-    choice = getattr(sampler.engine, "decode_choice", None)
-    return f"; decode options {choice.describe()}" if choice is not None else ""
+def _decode_choice(engine) -> str:
+    """'decode options ...' as the engine's host tuning chose them ('' where it made no choice)."""
+    choice = getattr(engine, "decode_choice", None)
+    return f"decode options {choice.describe()}" if choice is not None else ""
 
 
 def bench_local(sampler, concurrency, new_tokens):
@@ -164,8 +165,8 @@ def bench_breakdown(config, params, steps, new_tokens, temperature=0.0, repeats=
     a batched prefill of 8 prompts into 8 slots, and one `generate` call of `steps` decode steps
     over 8 live slots (greedy at temperature 0, else sampled). Returns (prefill ms, generate ms)."""
     engine = _engine(config, params, 8, steps, new_tokens)
-    if hasattr(engine, "decode_choice"):
-        print(f"decode options {engine.decode_choice.describe()}", flush=True)
+    if choice := _decode_choice(engine):
+        print(choice, flush=True)
     sampling = SamplingParams(temperature=temperature, max_tokens=new_tokens)
     prompts = [np.asarray(p, np.int32) for p in _prompts(8)]
     prefill, generate = [], []
@@ -194,7 +195,7 @@ def compare_with_tunix(config, params, python, steps, new_tokens, repeats, round
         if 8 % lanes:
             raise SystemExit(f"--lanes={lanes}: expected a divisor of the 8 slots")
         with LocalSampler([_engine(config, params, 8 // lanes, steps, new_tokens) for _ in range(lanes)]) as eight:
-            choice = _decode_choice(eight)
+            choice = _decode_choice(eight.engine)
             for _ in range(rounds):
                 ours = [bench_local(eight, 8, new_tokens) for _ in range(repeats)]
                 theirs = tunix.request(repeats)
@@ -208,7 +209,7 @@ def compare_with_tunix(config, params, python, steps, new_tokens, repeats, round
           f"| tunix Sampler | {theirs:,.0f} |\n| our engine (8 slots, in-process, {lanes} engine(s)) | {ours:,.0f} |\n"
           f"| ratio ours / tunix | {ours / theirs:.2f} |\n")
     print("per-round ratios: " + ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})"
-          + choice + "\n")
+          + (f"; {choice}" if choice else "") + "\n")
 
 
 def compare_decode_options(config, params, slots: int, steps: int, new_tokens: int, rounds: int = 30):
