@@ -172,14 +172,18 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache, cache_start):
+    def __call__(self, x, positions, mask, layer_cache, cache_start, at=None):
+        """x [B, T, H] -> ([B, T, H], the layer's updated cache or None). With `at` ([N] flat
+        indices b * T + t), keys and values still come from every position (and go into the
+        cache), but only those N positions query: the output is [N, H]."""
         cfg = self.config
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         b, t = x.shape[:2]
         # Projections act on [B*T, H] rows: with 3-D operands XLA:CPU materialises transposed
         # copies for the weight gradients (measured ~3x slower backward).
         rows = x.reshape(b * t, x.shape[-1])
-        q = _dense((n, d), -1, cfg.attention_bias, cfg, "q_proj")(rows).reshape(b, t, n, d)
+        q_rows, q_positions = (rows, positions) if at is None else (rows[at], positions.reshape(-1)[at][:, None])
+        q = _dense((n, d), -1, cfg.attention_bias, cfg, "q_proj")(q_rows).reshape(*q_positions.shape, n, d)
         key = _dense((k, d), -1, cfg.attention_bias, cfg, "k_proj")(rows).reshape(b, t, k, d)
         value = _dense((k, d), -1, cfg.attention_bias, cfg, "v_proj")(rows).reshape(b, t, k, d)
         if cfg.qk_norm:
@@ -189,7 +193,7 @@ class Attention(nn.Module):
         # The 1/sqrt(D) of the scores applied to the queries ([B, T, N, D], fused with RoPE) rather
         # than to the [B, K, G, T, S] scores: on XLA:CPU scaling the scores was a pass of its own
         # over them in the forward pass and a materialised broadcast of the constant in the backward.
-        q = apply_rope(q, positions, inv_freq) * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
+        q = apply_rope(q, q_positions, inv_freq) * jnp.asarray(1.0 / math.sqrt(d), q.dtype)
         key = apply_rope(key, positions, inv_freq)
         key = key.transpose(0, 2, 1, 3)  # [B, K, T, D]
         value = value.transpose(0, 2, 1, 3)
@@ -199,6 +203,10 @@ class Attention(nn.Module):
             key = _write_cache(cache_k, key, cache_start, keys=True)  # [B, K, D, S]
             value = _write_cache(cache_v, value, cache_start, keys=False)
             new_cache = (key, value)
+        if at is not None:  # each query attends over its own row's keys and values: N rows of one
+            key, value = key[at // t], value[at // t]
+            mask = mask.reshape(b * t, -1)[at][:, None, :]  # [N, 1, S]
+            b, t = q.shape[:2]
         g, s = n // k, value.shape[2]
         # Query heads sharing a KV head are folded into the query axis: [B, K, G*T, D], so both
         # attention products are plain 4-D batched matmuls.
@@ -269,12 +277,16 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, positions, mask, cache_start):
+    def __call__(self, x, layer_cache, positions, mask, cache_start, at=None):
+        """x [B, T, H] -> (x [B, T, H], new cache); with `at` ([N] flat indices b * T + t) the
+        block's output at those positions alone, [N, H] (see `Attention`)."""
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name=name)
         attn_out, new_cache = Attention(cfg, name="attn")(
-            norm("input_norm")(x), positions, mask, layer_cache, cache_start
+            norm("input_norm")(x), positions, mask, layer_cache, cache_start, at
         )
+        if at is not None:
+            x = x.reshape(-1, x.shape[-1])[at][:, None, :]  # [N, 1, H], as attn_out
         x = x + attn_out
         x = x + MLP(cfg, name="mlp")(norm("post_attn_norm")(x))
         return x, new_cache
@@ -432,14 +444,17 @@ def _last_block_output(config: ModelConfig, params: Params, tokens, positions, s
     return x
 
 
-def _blocks(config: ModelConfig, params: Params, tokens, positions, mask, cache: KVCache | None, cache_start):
-    """Embeddings and each block (unrolled): the last block's output [B, T, H] and the cache."""
+def _blocks(config: ModelConfig, params: Params, tokens, positions, mask, cache: KVCache | None, cache_start,
+            at: jax.Array | None = None):
+    """Embeddings and each block (unrolled): the last block's output [B, T, H] and the cache. With
+    `at` ([N] flat indices b * T + t) the last block queries at those positions alone and its output
+    is [N, 1, H]: every layer's keys and values are still those of all positions."""
     model = Transformer(config)
     x = model.apply({"params": params}, tokens, method=Transformer.embed_tokens)
     block = Block(config)
 
-    def run_block(layer_params, x, layer_cache):
-        return block.apply({"params": layer_params}, x, layer_cache, positions, mask, cache_start)
+    def run_block(layer_params, x, layer_cache, at=None):
+        return block.apply({"params": layer_params}, x, layer_cache, positions, mask, cache_start, at)
 
     if config.remat and cache is None:
         run_block = jax.checkpoint(run_block)
@@ -451,7 +466,7 @@ def _blocks(config: ModelConfig, params: Params, tokens, positions, mask, cache:
         else:
             layer_params = jax.tree.map(lambda p: p[layer], stacked)
         layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
-        x, kv = run_block(layer_params, x, layer_cache)
+        x, kv = run_block(layer_params, x, layer_cache, *((at,) if layer == config.num_layers - 1 else ()))
         if kv is not None:
             new_k.append(kv[0])
             new_v.append(kv[1])
@@ -499,8 +514,11 @@ def extend(
         embedding's transpose, which XLA:CPU folds into the product as a [B, H] x [V, H]ᵀ matmul,
         ~25% slower at B = 8 than the same product against a materialised [H, V] kernel.
       at: optional [N] int, flat indices b * T + t of the only positions whose logits are wanted
-        (a prefill samples from its prompt's last token alone): the output projection then runs
-        on N rows instead of B * T.
+        (a prefill samples from its prompt's last token alone): the last block's queries, attention
+        output, MLP and the output projection then run on N rows instead of B * T (every layer's
+        keys and values, the cache's content, are still those of all B * T positions): the sampler
+        benchmark's 8-prompt prefill (2 layers) took ~0.7x the time, the default run's admissions
+        (4 layers) ~0.92x (benchmarks/RESULTS.md).
 
     Returns:
       (logits [B, T, V] float32 — or [N, V] with `at` — and the updated cache).
@@ -508,12 +526,12 @@ def extend(
     _check_tokens(config, tokens, 2)
     slots = jnp.arange(cache.max_length)[None, :]
     mask = positions[:, :, None] >= slots[:, None, :]  # [B, T, S]
-    x, cache = _blocks(config, params, tokens, positions, mask, cache, positions[:, 0])
+    x, cache = _blocks(config, params, tokens, positions, mask, cache, positions[:, 0], at)
     if kernel is None:
         kernel = output_kernel(config, params)
     x = Transformer(config).apply({"params": params}, x, method=Transformer.normed)
     if at is not None:
-        x = x.reshape(-1, x.shape[-1])[at]  # [N, H]
+        x = x[:, 0]  # [N, H]
     return jnp.einsum("...h,hv->...v", x, kernel, preferred_element_type=jnp.float32), cache
 
 

@@ -41,7 +41,7 @@ def test_token_by_token_decode_matches_forward(arch):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied output projections
+@pytest.mark.parametrize("arch", sorted(CONFIGS))  # tied and untied output projections; GQA with q/k norms
 def test_prefill_logits_at_selected_positions_equal_the_full_logits_there(arch):
     config = CONFIGS[arch]
     params = _params(config)
@@ -57,6 +57,28 @@ def test_prefill_logits_at_selected_positions_equal_the_full_logits_there(arch):
     step, _ = models.decode_step(config, params, tokens[:, 0], jnp.zeros(3, jnp.int32),
                                  models.init_cache(config, 3, 16), kernel=models.output_kernel(config, params))
     np.testing.assert_allclose(step, np.asarray(full)[:, 0], atol=1e-5, rtol=0)
+
+
+def test_with_selected_positions_the_last_block_queries_only_there():
+    """`at`: every layer's keys and values come from all B * T positions, but the last block's
+    query, output and MLP products (and the output projection) run on the N selected rows alone."""
+    config = CONFIGS["llama"]
+    params = _params(config)
+    tokens = jnp.zeros((3, 12), jnp.int32)
+    at = jnp.asarray([5, 13])
+    jaxpr = jax.make_jaxpr(lambda p, t: models.prefill(config, p, t, models.init_cache(config, 3, 16), at=at))(
+        params, tokens)
+    # (rows, kernel shape) of every product of a [rows, H]-like operand with a weight matrix
+    products = [(eqn.invars[0].aval.shape[0], eqn.invars[1].aval.shape) for eqn in jaxpr.eqns
+                if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.ndim in (2, 3)
+                and eqn.invars[1].aval.ndim in (2, 3)]
+    h, i = config.hidden_size, config.intermediate_size
+    mlp_rows = [r for r, w in products if w == (h, i)]  # gate and up, per layer
+    assert mlp_rows == [36, 36] * (config.num_layers - 1) + [2, 2], mlp_rows
+    query_rows = [r for r, w in products if w == (h, config.num_heads, config.head_dim)]
+    assert query_rows == [36] * (config.num_layers - 1) + [2], query_rows
+    kv_rows = [r for r, w in products if w == (h, config.num_kv_heads, config.head_dim)]
+    assert kv_rows == [36, 36] * config.num_layers, kv_rows  # keys and values of every position
 
 
 def test_decode_with_ragged_rows_and_padded_prefill():
