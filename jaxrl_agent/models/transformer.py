@@ -175,7 +175,7 @@ class Attention(nn.Module):
     def __call__(self, x, positions, mask, layer_cache, cache_start, at=None):
         """x [B, T, H] -> ([B, T, H], the layer's updated cache or None). With `at` ([N] flat
         indices b * T + t), keys and values still come from every position (and go into the
-        cache), but only those N positions query: the output is [N, H]."""
+        cache), but only those N positions query: the output is [N, 1, H]."""
         cfg = self.config
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         b, t = x.shape[:2]
@@ -279,7 +279,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, layer_cache, positions, mask, cache_start, at=None):
         """x [B, T, H] -> (x [B, T, H], new cache); with `at` ([N] flat indices b * T + t) the
-        block's output at those positions alone, [N, H] (see `Attention`)."""
+        block's output at those positions alone, [N, 1, H] (see `Attention`)."""
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.jnp_dtype, cfg.jnp_param_dtype, name=name)
         attn_out, new_cache = Attention(cfg, name="attn")(
@@ -517,7 +517,7 @@ def extend(
         (a prefill samples from its prompt's last token alone): the last block's queries, attention
         output, MLP and the output projection then run on N rows instead of B * T (every layer's
         keys and values, the cache's content, are still those of all B * T positions): the sampler
-        benchmark's 8-prompt prefill (2 layers) took ~0.7x the time, the default run's admissions
+        benchmark's 8-prompt prefill (2 layers) took ~0.75x the time, the default run's admissions
         (4 layers) ~0.92x (benchmarks/RESULTS.md).
 
     Returns:
