@@ -1,6 +1,6 @@
 """Decode throughput of one engine against several in threads of their own (`sampler.local_engines`).
 
-  python benchmarks/decode_lanes.py [--config configs/calculator_tiny.py] [--lanes 2] [--calls 20] [--rounds 5]
+  python benchmarks/decode_lanes.py [--config configs/calculator_tiny.py] [--lanes 2] [--slots S] [--calls 20] [--rounds 5]
 
 Builds the config's engine with all of `sampler.max_concurrent_decodes` slots (S) and `--lanes` (N)
 engines of S / N slots each (`build.build_engines`, as the trainer does), fills every slot with a
@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2, help="engines decoding at once, each in its own thread")
     parser.add_argument("--calls", type=int, default=20, help="generate calls per timing")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians reported)")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="sampler.max_concurrent_decodes (S) instead of the config's (0 = the config's)")
     args = parser.parse_args()
 
     config = config_lib.load_config(args.config)
@@ -58,6 +60,10 @@ def main() -> None:
     tokenizer = build.build_tokenizer(config)
     model_config, params = build.build_model(config, build.build_mesh(config))
     config.unlock()
+    if args.slots:
+        if args.slots % args.lanes:
+            raise SystemExit(f"--slots={args.slots}: expected a multiple of --lanes={args.lanes}")
+        config.sampler.max_concurrent_decodes = args.slots
     config.sampler.local_engines = 1
     one = build.build_engines(config, model_config, params, tokenizer)[0]
     config.sampler.local_engines = args.lanes
