@@ -203,7 +203,9 @@ class Attention(nn.Module):
             key = _write_cache(cache_k, key, cache_start, keys=True)  # [B, K, D, S]
             value = _write_cache(cache_v, value, cache_start, keys=False)
             new_cache = (key, value)
-        if at is not None:  # each query attends over its own row's keys and values: N rows of one
+        if at is not None:
+            # Each query attends over its own row's keys and values; from here the batch is the
+            # N queried positions, one position each (b, t = N, 1).
             key, value = key[at // t], value[at // t]
             mask = mask.reshape(b * t, -1)[at][:, None, :]  # [N, 1, S]
             b, t = q.shape[:2]
@@ -466,7 +468,7 @@ def _blocks(config: ModelConfig, params: Params, tokens, positions, mask, cache:
         else:
             layer_params = jax.tree.map(lambda p: p[layer], stacked)
         layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
-        x, kv = run_block(layer_params, x, layer_cache, *((at,) if layer == config.num_layers - 1 else ()))
+        x, kv = run_block(layer_params, x, layer_cache, at if layer == config.num_layers - 1 else None)
         if kv is not None:
             new_k.append(kv[0])
             new_v.append(kv[1])
