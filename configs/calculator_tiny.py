@@ -397,6 +397,11 @@ def get_config() -> ml_collections.ConfigDict:
     # vocabulary makes the projection cheap, and each new (rows, K) shape compiles once (~5 s on 2
     # cores). Real vocabularies (the HF configs) turn it on.
     config.learner.target_multiple = 0
+    # A batch shape the step has not compiled runs padded up to a compiled larger one (padding rows
+    # train nothing) until the padding has cost this many steps of it, and is compiled then (ski
+    # rental: a compile costs ~8-13 steps on 2 cores; rare shapes are never compiled). 0 = compile
+    # every shape on first use.
+    config.learner.shape_reuse_calls = 8.0
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
     # Mixed precision: 'float32' keeps float32 master weights and optimizer moments for bfloat16
     # parameters (updates below bfloat16's resolution accumulate there; the parameters, used by the

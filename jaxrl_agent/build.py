@@ -850,6 +850,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"set env.service='inprocess' (got {config.env.service!r})")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
+    need(config.learner.shape_reuse_calls >= 0,
+         f"learner.shape_reuse_calls={config.learner.shape_reuse_calls}: expected >= 0 (0 = compile every shape)")
     need(config.learner.max_consecutive_skips >= 0,
          f"learner.max_consecutive_skips={config.learner.max_consecutive_skips}: expected >= 0 (0 = never stop)")
     one_of("metrics.progress", config.metrics.progress, ("auto", "on", "off"))

@@ -36,6 +36,7 @@ from jaxrl_agent import (build, checkpoint, heap, invariants, learner, losses, m
                          sharding)
 from jaxrl_agent import metrics as metrics_lib
 from jaxrl_agent.run import Run, RunStopped, build_run  # noqa: F401 - the run's parts; RunStopped for callers
+from jaxrl_agent.shape_reuse import ShapeReuse
 
 # Demonstration tasks use their own seed range: disjoint from RL's task stream (0, 1, ...) and from
 # the held-out evaluation seeds (envs.HELD_OUT_SEED_OFFSET + i).
@@ -63,6 +64,7 @@ def run_sft(run: Run) -> None:
     batches = build.build_sft_batches(config, demonstrations, run.rng, local_multiple)
     if batches.rows is not None:
         run.log("data", 0, {"sft_rows_per_update": batches.rows})
+    shapes = ShapeReuse(config.learner.shape_reuse_calls)  # the SFT step's compiled batch shapes
     start = time.perf_counter()
     run.writer.console.bar("sft", c.steps, unit="step")
     for step in range(1, c.steps + 1):
@@ -70,7 +72,7 @@ def run_sft(run: Run) -> None:
         batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=local_multiple,
                                min_rows=batches.rows or 1, decreasing=batches.rows is None,
                                target_multiple=config.learner.target_multiple)
-        state, metrics = step_fn(state, learner.global_batch(batch, run.mesh))
+        state, metrics = step_fn(state, learner.global_batch(batch, run.mesh, shapes=shapes))
         postfix = None
         if _every(c.log_every, step) or step == c.steps:
             metrics = jax.device_get(metrics)
@@ -132,13 +134,15 @@ def run_rl(run: Run) -> None:
         run.log("resume", first_iteration - 1, {"from_stage": resume.stage, "version": run.version})
     if config.reward.judge and run.judge is None:
         run.judge = build.build_judge(config, run.model_config, run.judge_params, run.tokenizer, run.template)
+    shapes = ShapeReuse(config.learner.shape_reuse_calls)  # the RL step's compiled batch shapes
     durations: list[float] = []  # RL iterations' wall time, evaluations and checkpoints included
     run.writer.console.bar("rl", c.iterations, initial=first_iteration - 1)
     heap.freeze_built()  # the learner and rollout parts just built: out of every later collection
     try:
         for iteration in range(first_iteration, c.iterations + 1):
             iteration_started = time.monotonic()
-            state = rl_iteration(run, source, iteration, state, step_fn, proximal, logprobs_fn, step_logprobs)
+            state = rl_iteration(run, source, iteration, state, step_fn, proximal, logprobs_fn, step_logprobs,
+                                 shapes=shapes)
             durations.append(time.monotonic() - iteration_started)
             reason = stop_reason(c, iteration, trained_tokens_total=run.trained_tokens_total,
                                  elapsed_seconds=run.elapsed_seconds(), durations=durations,
@@ -184,9 +188,10 @@ def _restore_rl(run: Run, source: rollout.source.RolloutSource, state, resume: c
 
 
 def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int, state, step_fn, proximal,
-                 logprobs_fn=None, step_logprobs: bool = False):
+                 logprobs_fn=None, step_logprobs: bool = False, shapes: ShapeReuse | None = None):
     """Source -> post-processing -> replay -> learner -> metrics -> new weights. `step_logprobs`:
-    `step_fn` returns its starting log-probs (`build_learner(token_logprobs=True)`)."""
+    `step_fn` returns its starting log-probs (`build_learner(token_logprobs=True)`). `shapes`: the
+    step's compiled batch shapes, kept across iterations (`learner.global_batch`)."""
     config = run.config
     started = time.perf_counter()
     sampler_before = run.sampler_stats()
@@ -217,7 +222,7 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
            if _every(config.invariants.drift_every, iteration) else {}),
         loss_controls=(run.invariants.controls.entropy_coef, float(run.invariants.controls.icepop), 0.0)
         if run.invariant_settings.respond else None, summary_weight=config.learner.summary_weight,
-        distill_envs=run.postprocess.distill_only_envs, step_logprobs=step_logprobs)
+        distill_envs=run.postprocess.distill_only_envs, step_logprobs=step_logprobs, shapes=shapes)
     run.consecutive_skips = learner.consecutive_skips(run.consecutive_skips,
                                                       learner_metrics.pop("update_skipped_flags", []))
     if learner_metrics:  # an update was made (by every process: with several, some may have had no rows)

@@ -578,3 +578,35 @@ def test_stop_reason_is_the_limit_the_run_reaches_first():
     assert stop(3, elapsed=46.0, durations=(15,), last_eval=0.0) == "time_budget"
     assert stop(10, elapsed=10**6) is None  # the last iteration ends the run anyway
     assert stop(10, tokens=1000, elapsed=10**6) == "trained_tokens"  # the tokens limit is still the reason
+
+
+@pytest.mark.parametrize("reuse_calls", [0.0, 1000.0])
+def test_sft_steps_run_in_compiled_shapes_that_hold_their_batches(tmp_path, monkeypatch, reuse_calls):
+    """learner.shape_reuse_calls reaches the SFT loop: each update runs in a shape that holds its
+    packed batch (rows, target columns) — the batch's own with 0, else one of the shapes wanted
+    before (`ShapeReuse`), padded."""
+    config = tiny_config(tmp_path)
+    config.sft.steps, config.rl.iterations, config.learner.shape_reuse_calls = 6, 0, reuse_calls
+    config.learner.target_multiple, config.metrics.tensorboard = 1, False  # target columns that differ by batch
+    wanted, ran, original_pack, original_build = [], [], trainer.replay.pack, build.build_learner
+    shape = lambda b: (b.tokens.shape[0], 0 if b.target_index is None else b.target_index.shape[1])
+
+    def pack(trajectories, row_length, **kwargs):
+        batch, rows = original_pack(trajectories, row_length, **kwargs)
+        wanted.append(shape(batch))
+        return batch, rows
+
+    def build_learner(*args, **kwargs):
+        state, step_fn = original_build(*args, **kwargs)
+        return state, lambda state, batch: (ran.append(shape(batch)), step_fn(state, batch))[1]
+
+    monkeypatch.setattr(trainer.replay, "pack", pack)
+    monkeypatch.setattr(trainer.build, "build_learner", build_learner)
+    trainer.train_and_evaluate(config, quiet=True)
+    assert len(ran) == len(wanted) == 6
+    assert all(r[0] >= w[0] and r[1] >= w[1] for r, w in zip(ran, wanted))
+    if reuse_calls == 0:
+        assert ran == wanted
+    else:
+        assert all(r in wanted[:i + 1] for i, r in enumerate(ran))
+        assert len(set(ran)) < len(set(wanted))  # fewer shapes compiled than the batches wanted

@@ -26,6 +26,7 @@ import numpy as np
 from jaxrl_agent import models, sharding
 from jaxrl_agent.invariants import measures
 from jaxrl_agent.learner.step import PackedBatch, TrainState, sequence_logprobs
+from jaxrl_agent.shape_reuse import ShapeReuse
 
 
 def make_proximal_logprobs(config: models.ModelConfig, mesh: jax.sharding.Mesh, *, temperature: float,
@@ -42,8 +43,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
               row_length: int, row_multiple: int, target_multiple: int, mesh: jax.sharding.Mesh,
               proximal_logprobs: Callable | None = None, logprobs_fn: Callable | None = None,
               current_version: int | None = None, loss_controls: Sequence[float] | None = None,
-              summary_weight: float = 1.0, distill_envs: frozenset[str] = frozenset(), step_logprobs: bool = False
-              ) -> tuple[TrainState, dict[str, float]]:
+              summary_weight: float = 1.0, distill_envs: frozenset[str] = frozenset(), step_logprobs: bool = False,
+              shapes: ShapeReuse | None = None) -> tuple[TrainState, dict[str, float]]:
     """Shuffles the trajectories into `minibatches` parts and takes one step on each; returns the
     new state and the last step's metrics as floats ({} when there is nothing to train on), with
     `update_skipped` the number of this call's steps that were skipped as non-finite,
@@ -59,7 +60,8 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
     environments whose episodes alone the distillation term covers (`replay.pack`; empty = all).
     `step_logprobs`: `step_fn` returns metrics['token_logprobs'] (`make_train_step(token_logprobs=True)`),
     the first minibatch's log-probs under the starting parameters, which the drift measurement then
-    takes instead of a forward pass of `logprobs_fn` of its own (one of its two)."""
+    takes instead of a forward pass of `logprobs_fn` of its own (one of its two). `shapes`: the
+    step's compiled batch shapes (`global_batch`), kept across calls."""
     from jaxrl_agent import replay
 
     # With several processes (jax.distributed) each holds its own trajectories, and the global batch
@@ -77,7 +79,7 @@ def rl_update(state: TrainState, step_fn, trajectories: Sequence, *, rng: np.ran
         pack_fn=lambda part: replay.pack(part, row_length, row_multiple=local_row_multiple(row_multiple),
                                          target_multiple=target_multiple, summary_weight=summary_weight,
                                          distill_envs=distill_envs)[0])
-    batches = [global_batch(batch, mesh, loss_controls) for batch, size in zip(dataset, sizes) if size]
+    batches = [global_batch(batch, mesh, loss_controls, shapes) for batch, size in zip(dataset, sizes) if size]
     if proximal_logprobs is not None:
         batches = [b.replace(old_logprobs=proximal_logprobs(state.params, b)) for b in batches]
     measure = logprobs_fn is not None and current_version is not None
@@ -133,15 +135,20 @@ def local_row_multiple(row_multiple: int) -> int:
     return row_multiple // math.gcd(row_multiple, jax.process_count())
 
 
-def global_batch(batch: PackedBatch, mesh: jax.sharding.Mesh, loss_controls: Sequence[float] | None = None
-                 ) -> PackedBatch:
+def global_batch(batch: PackedBatch, mesh: jax.sharding.Mesh, loss_controls: Sequence[float] | None = None,
+                 shapes: ShapeReuse | None = None) -> PackedBatch:
     """This process's packed rows as its share of one global batch on `mesh`. With several
     processes every one must call this for the same step: they agree on the shape first (the most
     rows and trained positions of any; padding trains nothing), then each contributes its rows
-    (`sharding.put_batch`). `loss_controls`: the step's `PackedBatch.loss_controls` row, put on every row."""
+    (`sharding.put_batch`). `loss_controls`: the step's `PackedBatch.loss_controls` row, put on every row.
+    `shapes`: the step's compiled (rows, targets) shapes; a new shape may then run padded up to a
+    compiled larger one (`ShapeReuse.choose`: every process sees the same agreed shapes, so they
+    choose alike)."""
     from jaxrl_agent import replay
 
     rows, targets = sharding.agree_max([batch.tokens.shape[0], _targets(batch)])
+    if shapes is not None:
+        rows, targets = shapes.choose((rows, targets))
     batch = replay.pad_batch(batch, int(rows), int(targets))
     if loss_controls is not None:
         batch = batch.replace(loss_controls=np.tile(np.asarray(loss_controls, np.float32)[None, :],
