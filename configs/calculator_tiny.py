@@ -108,6 +108,11 @@ def get_config() -> ml_collections.ConfigDict:
     # (its whole history as the prompt) prefills only the new tokens; 0 = off. Each entry costs
     # 2 * num_layers * num_kv_heads * max_cache_length * head_dim activations (128 KiB here).
     config.sampler.prefix_cache_entries = 256
+    # A batched prefill or extend whose (rows, tokens, ...) shape is not compiled yet runs padded in
+    # a compiled larger one until the padding has cost this many of its calls, then compiles (ski
+    # rental: a compile costs ~100-200 such calls on 2 cores; rare shapes are never compiled).
+    # 0 = compile every shape on first use.
+    config.sampler.shape_reuse_calls = 64.0
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
     # Servers only: generate calls dispatched ahead of the thread that turns results into tokens and
     # frees finished requests' slots (1 = none ahead: a finished slot is refilled on the next call).

@@ -35,6 +35,7 @@ from jaxrl_agent import models, sharding
 from jaxrl_agent.sampling import decoding
 from jaxrl_agent.sampling.jetstream_compat import import_jetstream
 from jaxrl_agent.sampling.types import PromptTooLongError, SamplingParams  # noqa: F401 - re-exported
+from jaxrl_agent.shape_reuse import ShapeReuse
 
 engine_api, _, _, _, token_utils = import_jetstream()
 
@@ -275,6 +276,8 @@ class AgentEngine(engine_api.Engine):
       version: policy version of `params`.
       prefix_cache_entries: M, finished sequences whose keys/values are kept (in the decode
         state) so that a prompt continuing one prefills only its new tokens; 0 = off.
+      shape_reuse: {'prefill' | 'extend': ShapeReuse}: a batched admission whose (rows, ...) shape
+        is not compiled yet may run padded in a compiled larger one (`_program_shape`); None = none.
       decode_compiler_options: XLA:CPU options of the decode loop for every row count (`{}` = XLA's
         defaults), or a pair (options above SMALL_DECODE_ROWS rows, options at most); None = the
         built-in choice per row count (`CPU_DECODE_COMPILER_OPTIONS`,
@@ -287,7 +290,8 @@ class AgentEngine(engine_api.Engine):
                  max_steps_per_call: int = 0,
                  stop_token_ids: Sequence[int] | None = None, version: int = 0, seed: int = 0,
                  mesh: jax.sharding.Mesh | None = None, prefix_cache_entries: int = 0,
-                 decode_compiler_options: dict[str, Any] | None = None):
+                 decode_compiler_options: dict[str, Any] | None = None,
+                 shape_reuse: dict[str, ShapeReuse] | None = None):
         if max_prefill_length < MIN_PREFILL_BUCKET or max_prefill_length & (max_prefill_length - 1):
             raise ValueError(f"max_prefill_length must be a power of two >= {MIN_PREFILL_BUCKET}, got {max_prefill_length}")
         self.config = config
@@ -340,6 +344,9 @@ class AgentEngine(engine_api.Engine):
             decode_compiler_options = (decode_compiler_options,) * 2
         self.set_decode_compiler_options(*decode_compiler_options)
         self._prefill_count = 0
+        # The admission programs' compiled shapes ('prefill', 'extend': `_program_shape`), shared by
+        # the engines of one sampler (they share the jitted programs); {} = every shape its own.
+        self.shape_reuse = dict(shape_reuse or {})
 
     def _decode_fn(self, options: dict[str, Any]) -> Callable:
         """The jitted decode loop under XLA:CPU `options` (compiled once per option set and shape)."""
@@ -350,6 +357,13 @@ class AgentEngine(engine_api.Engine):
         most (`small`). They change speed, never tokens."""
         with self._lock:
             self._generate_fn, self._generate_small_fn = self._decode_fn(large), self._decode_fn(small)
+
+    def _program_shape(self, program: str, wanted: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape to run an admission `program` ('prefill': rows, distinct-prompt rows, token
+        bucket; 'extend': rows, token bucket, copy window) in: `wanted`, or a compiled larger one
+        while that is cheaper than compiling (`shape_reuse`; padding is dropped rows and tokens)."""
+        reuse = self.shape_reuse.get(program)
+        return wanted if reuse is None else reuse.choose(wanted)
 
     def decode_step_seconds(self, options: dict[str, Any], rows: int, *, calls: int = 3) -> float:
         """Seconds per decode step of `calls` generate calls under `options`, `rows` slots decoded
@@ -464,9 +478,11 @@ class AgentEngine(engine_api.Engine):
         first_of: dict[bytes, int] = {}
         source = [first_of.setdefault(p.tobytes(), len(first_of)) for p in prompts]  # row -> unique prompt
         unique = [prompts[source.index(u)] for u in range(len(first_of))]
-        batch = self._batch_rows(prompts, lengths, bucket, samplings, slots)
-        rows = batch["tokens"].shape[0]
-        unique_tokens = np.full((unique_prefill_rows(len(unique), rows), bucket), self.tokenizer.pad_id, np.int32)
+        rows = prefill_rows(n)
+        rows, unique_rows, bucket = self._program_shape(
+            "prefill", (rows, unique_prefill_rows(len(unique), rows), bucket))
+        batch = self._batch_rows(prompts, lengths, bucket, samplings, slots, rows=rows)
+        unique_tokens = np.full((unique_rows, bucket), self.tokenizer.pad_id, np.int32)
         for i, prompt in enumerate(unique):
             unique_tokens[i, :prompt.size] = prompt
         source = np.asarray(source + [0] * (rows - n), np.int32)  # padding rows read unique prompt 0
@@ -482,13 +498,15 @@ class AgentEngine(engine_api.Engine):
                                       batch["temperature"], batch["top_k"], batch["top_p"], np.int32(version),
                                       batch["slots"])
 
-    def _batch_rows(self, token_rows, lengths, bucket, samplings, slots) -> dict[str, np.ndarray]:
-        """Right-pads `token_rows` to [R, bucket] for a power-of-two R >= MIN_PREFILL_ROWS (each
-        distinct shape costs one compilation; padding rows cost compute and are dropped: their slot
-        is out of range), with per-row sampling params and RNG stream counts. Host (numpy) arrays:
-        the jitted call transfers them, where a `jnp.asarray` each cost ~0.1 ms of dispatch."""
+    def _batch_rows(self, token_rows, lengths, bucket, samplings, slots, rows: int | None = None
+                    ) -> dict[str, np.ndarray]:
+        """Right-pads `token_rows` to [R, bucket] for R = `rows` (None = `prefill_rows`: a power of
+        two >= MIN_PREFILL_ROWS; each distinct shape costs one compilation; padding rows cost
+        compute and are dropped: their slot is out of range), with per-row sampling params and RNG
+        stream counts. Host (numpy) arrays: the jitted call transfers them, where a `jnp.asarray`
+        each cost ~0.1 ms of dispatch."""
         n = len(token_rows)
-        rows = prefill_rows(n)
+        rows = prefill_rows(n) if rows is None else rows
         pad = rows - n
         tokens = np.full((rows, bucket), self.tokenizer.pad_id, np.int32)
         for i, row in enumerate(token_rows):
@@ -532,9 +550,11 @@ class AgentEngine(engine_api.Engine):
                 raise ValueError(f"prefix of {start} + suffix of {length} tokens does not fit "
                                  f"max_cache_length={self.max_cache_length}")
         params, version = params_version or self.current_params()
-        batch = self._batch_rows(suffixes, lengths, self.bucket_length(max(lengths)), samplings, slots)
+        rows, bucket, window = self._program_shape("extend", (
+            prefill_rows(n), self.bucket_length(max(lengths)),
+            self.copy_window(max(start + length for start, length in zip(starts, lengths)))))
+        batch = self._batch_rows(suffixes, lengths, bucket, samplings, slots, rows=rows)
         pad = batch["pad"]
-        window = self.copy_window(max(start + length for start, length in zip(starts, lengths)))
         starts = np.asarray(list(starts) + [0] * pad, np.int32)
         decode_state, last = self._extend_insert_fn(
             params, decode_state, np.asarray(list(entries) + [0] * pad, np.int32), starts, batch["tokens"],

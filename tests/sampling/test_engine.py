@@ -713,3 +713,52 @@ def _calls_of_fixed_steps(requests, stop) -> int:
         for f in [sampler.submit(p, SamplingParams(temperature=0.0, max_tokens=n)) for p, n in requests]:
             f.result()
         return sampler.stats["generate_calls"]
+
+
+def test_admissions_padded_into_compiled_larger_shapes_sample_what_their_own_shapes_do():
+    """sampler.shape_reuse_calls: a batched prefill or extend whose shape is not compiled runs in a
+    compiled larger one (more rows, a longer token bucket); its rows' first tokens and log-probs,
+    positions and cache contents are those of the call in its own shape."""
+    from jaxrl_agent.shape_reuse import ShapeReuse
+
+    kwargs = dict(max_concurrent_decodes=16, max_prefill_length=64, max_cache_length=128, prefix_cache_entries=8)
+    own = _engine(**kwargs)
+    reuse = {"prefill": ShapeReuse(64.0), "extend": ShapeReuse(64.0)}
+    padded = _engine(**kwargs, shape_reuse=reuse)
+    shapes = []
+    padded._prefill_insert_fn = lambda p, s, unique, source, *rest: (
+        shapes.append(("prefill", unique.shape, source.shape)) or
+        engine_lib._admission_fns(CONFIG)[1](p, s, unique, source, *rest))
+    padded._extend_insert_fn = lambda p, s, e, st, tokens, *rest, window: (
+        shapes.append(("extend", tokens.shape, window)) or
+        engine_lib._admission_fns(CONFIG)[2](p, s, e, st, tokens, *rest, window=window))
+    sampled = SamplingParams(temperature=1.0)
+    prompts = [np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS]
+    states = []
+    for engine in (own, padded):
+        state = engine.init_decode_state()
+        # 9 prompts of up to 29 tokens, 8 distinct: 16 rows, 8 of them run, a 32-token bucket.
+        state = engine.prefill_insert_many(prompts + prompts[:1], [sampled] * 9, state, list(range(9)))
+        # 2 requests of one 8-token prompt: 8 rows, 2 run, 16 tokens; held by the first shape.
+        state = engine.prefill_insert_many([prompts[0]] * 2, [sampled] * 2, state, [9, 10])
+        state = engine.save_prefixes(state, list(range(9)), list(range(8)) + [7], length=48)
+        # Extends: 9 rows of up to 30 new tokens (16 rows, a 32-token bucket), then 1 row of 5 tokens.
+        state = engine.extend_insert_many(list(range(8)) + [0], [len(p) for p in prompts + prompts[:1]],
+                                          [p[:30] for p in prompts + prompts[:1]], [sampled] * 9, state,
+                                          list(range(9)))
+        state = engine.extend_insert_many([1], [1], [prompts[2][1:6]], [sampled], state, [11])
+        states.append(jax.device_get(state))
+    assert shapes == [("prefill", (8, 32), (16,))] * 2 + [("extend", (16, 32), 128)] * 2
+    assert reuse["prefill"].padded_calls == 1 and reuse["extend"].padded_calls == 1
+    want, got = states
+    live = np.asarray(want.active)
+    assert live[:12].all() and (np.asarray(got.active) == live).all()
+    for name in ("next_token", "position", "next_version", "generated"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    np.testing.assert_allclose(got.next_logprob, want.next_logprob, atol=1e-5)
+    # Keys [B, K, D, S] and values [B, K, S, D] up to each slot's position (past it a slot holds
+    # its bucket's padding, never read: attention stops at the slot's own position).
+    for slot, position in enumerate(np.asarray(want.position)[:12]):
+        for got_k, want_k, got_v, want_v in zip(got.cache.k, want.cache.k, got.cache.v, want.cache.v):
+            np.testing.assert_allclose(got_k[slot, ..., :position], want_k[slot, ..., :position], atol=1e-5)
+            np.testing.assert_allclose(got_v[slot, :, :position], want_v[slot, :, :position], atol=1e-5)
