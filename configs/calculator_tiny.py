@@ -113,6 +113,8 @@ def get_config() -> ml_collections.ConfigDict:
     # rental: a compile costs ~100-200 such calls on 2 cores; rare shapes are never compiled).
     # 0 = compile every shape on first use.
     config.sampler.shape_reuse_calls = 64.0
+    # The same for the decode loop's (rows, cache window): its compile costs ~300 calls of 8 rows.
+    config.sampler.decode_shape_reuse_calls = 256.0
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
     # Servers only: generate calls dispatched ahead of the thread that turns results into tokens and
     # frees finished requests' slots (1 = none ahead: a finished slot is refilled on the next call).
@@ -402,10 +404,11 @@ def get_config() -> ml_collections.ConfigDict:
     # vocabulary makes the projection cheap, and each new (rows, K) shape compiles once (~5 s on 2
     # cores). Real vocabularies (the HF configs) turn it on.
     config.learner.target_multiple = 0
-    # A batch shape the step has not compiled runs padded up to a compiled larger one (padding rows
-    # train nothing) until the padding has cost this many steps of it, and is compiled then (ski
-    # rental: a compile costs ~8-13 steps on 2 cores; rare shapes are never compiled). 0 = compile
-    # every shape on first use.
+    # RL: a batch shape the step has not compiled runs padded up to a compiled larger one (padding
+    # rows train nothing) until the padding has cost this many steps of it, and is compiled then
+    # (ski rental: a compile costs ~8-13 steps on 2 cores; rare shapes are never compiled). 0 =
+    # compile every shape on first use. (SFT trains each update in its own shape, bit for bit as
+    # before; sft.rows_per_update gives it one shape.)
     config.learner.shape_reuse_calls = 8.0
     config.learner.grad_clip_norm = 1.0  # Global gradient-norm clip.
     # Mixed precision: 'float32' keeps float32 master weights and optimizer moments for bfloat16

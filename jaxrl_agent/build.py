@@ -172,8 +172,8 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
     for this host (`sampler.decode_options`; `engine.decode_choice` says which and how). `slots`,
     `cache_entries` and `seed` replace the config's (`build_engines` splits them between engines);
     `decode_choice`, one already made (`host_tuning.DecodeChoice`), is applied instead of choosing;
-    `shape_reuse`, the admission programs' compiled shapes shared with other engines (None = the
-    engine's own, `admission_shape_reuse`)."""
+    `shape_reuse`, the programs' compiled shapes shared with other engines (None = the engine's
+    own, `engine_shape_reuse`)."""
     from jaxrl_agent.sampling import host_tuning
     from jaxrl_agent.sampling.engine import AgentEngine
 
@@ -185,7 +185,7 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
         steps_per_call=config.sampler.steps_per_call, max_steps_per_call=config.sampler.max_steps_per_call,
         prefix_cache_entries=config.sampler.prefix_cache_entries if cache_entries is None else cache_entries,
         version=version, seed=config.seed if seed is None else seed,
-        shape_reuse=admission_shape_reuse(config) if shape_reuse is None else shape_reuse,
+        shape_reuse=engine_shape_reuse(config) if shape_reuse is None else shape_reuse,
     )
     if decode_choice is not None:
         engine.set_decode_compiler_options(*decode_choice.options)
@@ -196,12 +196,14 @@ def build_engine(config, model_config: models.ModelConfig, params, tok: tokenize
     return engine
 
 
-def admission_shape_reuse(config) -> dict:
-    """The engine's batched-admission programs' `ShapeReuse`s (`sampler.shape_reuse_calls`; {} when 0)."""
+def engine_shape_reuse(config) -> dict:
+    """An engine's programs' `ShapeReuse`s: the batched admissions' (`sampler.shape_reuse_calls`)
+    and the decode loop's (`sampler.decode_shape_reuse_calls`); a program whose value is 0 has none."""
     from jaxrl_agent.shape_reuse import ShapeReuse
 
-    calls = float(config.sampler.shape_reuse_calls)
-    return {program: ShapeReuse(calls) for program in ("prefill", "extend")} if calls > 0 else {}
+    calls = {"prefill": config.sampler.shape_reuse_calls, "extend": config.sampler.shape_reuse_calls,
+             "decode": config.sampler.decode_shape_reuse_calls}
+    return {program: ShapeReuse(float(c)) for program, c in calls.items() if c > 0}
 
 
 # Engine i > 0 of an in-process sampler samples with seed config.seed + i * LANE_SEED_STRIDE (engine 0
@@ -230,7 +232,7 @@ def build_engines(config, model_config: models.ModelConfig, params, tok: tokeniz
     (`sampler.max_concurrent_decodes`) and prefix-cache entries split evenly between them, each
     with its own random stream; the decode options are chosen once (on the first) for all."""
     n = local_engine_count(config)
-    engines, shapes = [], admission_shape_reuse(config)  # the engines share their programs and shapes
+    engines, shapes = [], engine_shape_reuse(config)  # the engines share their programs and shapes
     for i in range(n):
         engines.append(build_engine(config, model_config, params, tok, version=version,
                                     slots=config.sampler.max_concurrent_decodes // n,
@@ -862,8 +864,8 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"set env.service='inprocess' (got {config.env.service!r})")
     need(config.env.step_timeout_s > 0, f"env.step_timeout_s={config.env.step_timeout_s}: expected > 0")
     need(config.env.pool_workers >= 1, f"env.pool_workers={config.env.pool_workers}: expected >= 1")
-    need(config.sampler.shape_reuse_calls >= 0,
-         f"sampler.shape_reuse_calls={config.sampler.shape_reuse_calls}: expected >= 0 (0 = compile every shape)")
+    for key in ("shape_reuse_calls", "decode_shape_reuse_calls"):
+        need(config.sampler[key] >= 0, f"sampler.{key}={config.sampler[key]}: expected >= 0 (0 = compile every shape)")
     need(config.learner.shape_reuse_calls >= 0,
          f"learner.shape_reuse_calls={config.learner.shape_reuse_calls}: expected >= 0 (0 = compile every shape)")
     need(config.learner.max_consecutive_skips >= 0,

@@ -64,7 +64,6 @@ def run_sft(run: Run) -> None:
     batches = build.build_sft_batches(config, demonstrations, run.rng, local_multiple)
     if batches.rows is not None:
         run.log("data", 0, {"sft_rows_per_update": batches.rows})
-    shapes = ShapeReuse(config.learner.shape_reuse_calls)  # the SFT step's compiled batch shapes
     start = time.perf_counter()
     run.writer.console.bar("sft", c.steps, unit="step")
     for step in range(1, c.steps + 1):
@@ -72,7 +71,7 @@ def run_sft(run: Run) -> None:
         batch, _ = replay.pack(fitting, config.learner.row_length, row_multiple=local_multiple,
                                min_rows=batches.rows or 1, decreasing=batches.rows is None,
                                target_multiple=config.learner.target_multiple)
-        state, metrics = step_fn(state, learner.global_batch(batch, run.mesh, shapes=shapes))
+        state, metrics = step_fn(state, learner.global_batch(batch, run.mesh))
         postfix = None
         if _every(c.log_every, step) or step == c.steps:
             metrics = jax.device_get(metrics)

@@ -67,6 +67,7 @@ def _records(path):
     ("sft.rows_per_update", 6, r"sft.rows_per_update=6: expected -1 .* or a multiple of learner.row_multiple=4"),
     ("sft.rows_per_update", -2, r"sft.rows_per_update=-2: expected -1"),
     ("sampler.shape_reuse_calls", -2.0, r"sampler.shape_reuse_calls=-2.0: expected >= 0 \(0 = compile every shape\)"),
+    ("sampler.decode_shape_reuse_calls", -3.0, r"sampler.decode_shape_reuse_calls=-3.0: expected >= 0"),
     ("learner.shape_reuse_calls", -1.0, r"learner.shape_reuse_calls=-1.0: expected >= 0 \(0 = compile every shape\)"),
 ])
 def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, message):

@@ -581,32 +581,45 @@ def test_stop_reason_is_the_limit_the_run_reaches_first():
 
 
 @pytest.mark.parametrize("reuse_calls", [0.0, 1000.0])
-def test_sft_steps_run_in_compiled_shapes_that_hold_their_batches(tmp_path, monkeypatch, reuse_calls):
-    """learner.shape_reuse_calls reaches the SFT loop: each update runs in a shape that holds its
-    packed batch (rows, target columns) — the batch's own with 0, else one of the shapes wanted
-    before (`ShapeReuse`), padded."""
+def test_rl_steps_run_in_compiled_shapes_that_hold_their_batches(tmp_path, monkeypatch, reuse_calls):
+    """learner.shape_reuse_calls reaches the RL loop: each update runs in a shape that holds its
+    packed minibatch (rows, target columns) — the minibatch's own with 0, else one of the shapes
+    wanted before (`ShapeReuse`), padded. SFT's updates keep their own shapes either way."""
     config = tiny_config(tmp_path)
-    config.sft.steps, config.rl.iterations, config.learner.shape_reuse_calls = 6, 0, reuse_calls
+    config.sft.steps, config.rl.iterations, config.learner.shape_reuse_calls = 2, 3, reuse_calls
+    config.eval.every, config.eval.pass_k = 0, 0
     config.learner.target_multiple, config.metrics.tensorboard = 1, False  # target columns that differ by batch
-    wanted, ran, original_pack, original_build = [], [], trainer.replay.pack, build.build_learner
+    wanted, ran = {True: [], False: []}, {True: [], False: []}
+    from jaxrl_agent.learner import updates
+
+    original_pack, original_global, original_build = trainer.replay.pack, updates.global_batch, build.build_learner
+    stage = {"sft": True}
     shape = lambda b: (b.tokens.shape[0], 0 if b.target_index is None else b.target_index.shape[1])
 
-    def pack(trajectories, row_length, **kwargs):
+    def pack(trajectories, row_length, **kwargs):  # SFT's packed batches
         batch, rows = original_pack(trajectories, row_length, **kwargs)
-        wanted.append(shape(batch))
+        if stage["sft"]:
+            wanted[True].append(shape(batch))
         return batch, rows
+
+    def global_batch(batch, *args, **kwargs):  # RL's packed minibatches, in the order they are trained
+        wanted[False].append(shape(batch))
+        return original_global(batch, *args, **kwargs)
 
     def build_learner(*args, **kwargs):
         state, step_fn = original_build(*args, **kwargs)
-        return state, lambda state, batch: (ran.append(shape(batch)), step_fn(state, batch))[1]
+        sft = stage["sft"] = bool(kwargs.get("sft"))
+        return state, lambda state, batch: (ran[sft].append(shape(batch)), step_fn(state, batch))[1]
 
     monkeypatch.setattr(trainer.replay, "pack", pack)
+    monkeypatch.setattr(updates, "global_batch", global_batch)
     monkeypatch.setattr(trainer.build, "build_learner", build_learner)
     trainer.train_and_evaluate(config, quiet=True)
-    assert len(ran) == len(wanted) == 6
-    assert all(r[0] >= w[0] and r[1] >= w[1] for r, w in zip(ran, wanted))
+    assert ran[True] == wanted[True] and len(ran[True]) == 2  # SFT: every update in its own shape
+    assert len(ran[False]) == len(wanted[False]) == config.rl.iterations * config.rl.minibatches
+    assert all(r[0] >= w[0] and r[1] >= w[1] for r, w in zip(ran[False], wanted[False]))
     if reuse_calls == 0:
-        assert ran == wanted
+        assert ran[False] == wanted[False]
     else:
-        assert all(r in wanted[:i + 1] for i, r in enumerate(ran))
-        assert len(set(ran)) < len(set(wanted))  # fewer shapes compiled than the batches wanted
+        assert all(r in wanted[False][:i + 1] for i, r in enumerate(ran[False]))
+        assert len(set(ran[False])) < len(set(wanted[False]))  # fewer shapes compiled than the batches wanted

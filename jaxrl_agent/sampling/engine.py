@@ -276,8 +276,9 @@ class AgentEngine(engine_api.Engine):
       version: policy version of `params`.
       prefix_cache_entries: M, finished sequences whose keys/values are kept (in the decode
         state) so that a prompt continuing one prefills only its new tokens; 0 = off.
-      shape_reuse: {'prefill' | 'extend': ShapeReuse}: a batched admission whose (rows, ...) shape
-        is not compiled yet may run padded in a compiled larger one (`_program_shape`); None = none.
+      shape_reuse: {'prefill' | 'extend' | 'decode': ShapeReuse}: a batched admission or a decode
+        call whose shape is not compiled yet may run padded in a compiled larger one
+        (`_program_shape`); None = every shape its own.
       decode_compiler_options: XLA:CPU options of the decode loop for every row count (`{}` = XLA's
         defaults), or a pair (options above SMALL_DECODE_ROWS rows, options at most); None = the
         built-in choice per row count (`CPU_DECODE_COMPILER_OPTIONS`,
@@ -344,7 +345,7 @@ class AgentEngine(engine_api.Engine):
             decode_compiler_options = (decode_compiler_options,) * 2
         self.set_decode_compiler_options(*decode_compiler_options)
         self._prefill_count = 0
-        # The admission programs' compiled shapes ('prefill', 'extend': `_program_shape`), shared by
+        # The programs' compiled shapes ('prefill', 'extend', 'decode': `_program_shape`), shared by
         # the engines of one sampler (they share the jitted programs); {} = every shape its own.
         self.shape_reuse = dict(shape_reuse or {})
 
@@ -359,9 +360,10 @@ class AgentEngine(engine_api.Engine):
             self._generate_fn, self._generate_small_fn = self._decode_fn(large), self._decode_fn(small)
 
     def _program_shape(self, program: str, wanted: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape to run an admission `program` ('prefill': rows, distinct-prompt rows, token
-        bucket; 'extend': rows, token bucket, copy window) in: `wanted`, or a compiled larger one
-        while that is cheaper than compiling (`shape_reuse`; padding is dropped rows and tokens)."""
+        """The shape to run `program` in ('prefill': rows, distinct-prompt rows, token bucket;
+        'extend': rows, token bucket, copy window; 'decode': rows, cache window): `wanted`, or a
+        compiled larger one while that is cheaper than compiling (`shape_reuse`; the padding is
+        rows dropped or not live, tokens past the prompts', cache positions past the requests')."""
         reuse = self.shape_reuse.get(program)
         return wanted if reuse is None else reuse.choose(wanted)
 
@@ -634,11 +636,10 @@ class AgentEngine(engine_api.Engine):
         del params
         with self._lock:
             params, kernel, version = self._params, self._kernel, self._version
-        rows = self.decode_rows(live_slots)
+        rows, window = self._program_shape("decode", (self.decode_rows(live_slots), self.decode_window(live_length)))
         generate = self._generate_small_fn if rows <= SMALL_DECODE_ROWS else self._generate_fn
         state, data = generate(params, kernel, decode_state, np.int32(version),
-                               np.int32(self.call_steps(live_length, max_steps)), rows=rows,
-                               window=self.decode_window(live_length))
+                               np.int32(self.call_steps(live_length, max_steps)), rows=rows, window=window)
         k = self.max_steps_per_call
         result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                          length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)

@@ -762,3 +762,33 @@ def test_admissions_padded_into_compiled_larger_shapes_sample_what_their_own_sha
         for got_k, want_k, got_v, want_v in zip(got.cache.k, want.cache.k, got.cache.v, want.cache.v):
             np.testing.assert_allclose(got_k[slot, ..., :position], want_k[slot, ..., :position], atol=1e-5)
             np.testing.assert_allclose(got_v[slot, :, :position], want_v[slot, :, :position], atol=1e-5)
+
+
+def test_a_decode_call_padded_into_a_compiled_larger_shape_emits_what_its_own_shape_does():
+    """sampler.decode_shape_reuse_calls: a `generate` call that wants few rows and a short cache
+    window runs in a compiled call of all the rows and the whole cache; its tokens, valid flags,
+    lengths and versions are exactly the compact call's, its log-probs to float rounding."""
+    from jaxrl_agent.shape_reuse import ShapeReuse
+
+    reuse = {"decode": ShapeReuse(256.0)}
+    own, padded = _engine(max_concurrent_decodes=32), _engine(max_concurrent_decodes=32, shape_reuse=reuse)
+    prompts = [np.asarray(TOKENIZER.encode(p), np.int32) for p in PROMPTS[:3]]
+    sampled = [SamplingParams(temperature=1.0)] * 3
+    results = []
+    for engine in (own, padded):
+        state = engine.prefill_insert_many(prompts, sampled, engine.init_decode_state(), [0, 1, 2])
+        if engine is padded:
+            _, _ = engine.generate(None, engine.prefill_insert_many(prompts, sampled, engine.init_decode_state(),
+                                                                    [0, 1, 2]))  # all 32 rows, all 64 positions
+        state, result = engine.generate(None, state, live_slots=3, live_length=40)  # wants 8 rows
+        results.append((jax.device_get(state), np.asarray(result.data)))
+    assert reuse["decode"].compiled == {(32, 64)} and reuse["decode"].padded_calls == 1
+    (state_own, data_own), (state_padded, data_padded) = results
+    for slot in range(3):
+        got, want = decode_result_row(data_padded, slot, 3), decode_result_row(data_own, slot, 3)
+        for key in ("tokens", "valid", "length", "versions"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-6)
+    assert not any(decode_result_row(data_padded, slot, 3)["valid"].any() for slot in range(3, 32))  # no requests there
+    for name in ("position", "next_token", "generated", "active"):
+        np.testing.assert_array_equal(np.asarray(getattr(state_padded, name)), np.asarray(getattr(state_own, name)))
