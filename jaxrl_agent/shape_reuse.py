@@ -1,9 +1,10 @@
 """Running a call in an already-compiled larger shape instead of compiling its own (ski rental).
 
 Every distinct shape of a jitted program compiles once, and on a cold start those compiles are a
-large part of a short run (the default run on 2 CPU cores compiles ~75 s of programs, ~3 s per
-learner-step shape; benchmarks/RESULTS.md). Many shapes are wanted only a few times in a run (a
-row count that one RL minibatch in fifty packs into). `ShapeReuse` pads such a call up to a
+large part of a short run (120 RL iterations of the default run on a 2-core AMD EPYC compiled 82 s
+of programs, ~3.6 s per learner-step shape; benchmarks/RESULTS.md). Many shapes are wanted only a
+few times in a run (a row count that one RL minibatch in fifty packs into, an extend of a rare
+length). `ShapeReuse` pads such a call up to a
 compiled shape at least as large in every dimension, and keeps account of what the padding
 costs: in calls of the wanted shape, (work(padded) / work(wanted) - 1) per call, work being the
 product of the dimensions. Once a wanted shape has spent `compile_calls` calls' worth of padding,
