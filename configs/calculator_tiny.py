@@ -113,7 +113,7 @@ def get_config() -> ml_collections.ConfigDict:
     # rental: a compile costs ~100-200 such calls on 2 cores; rare shapes are never compiled).
     # 0 = compile every shape on first use.
     config.sampler.shape_reuse_calls = 64.0
-    # The same for the decode loop's (rows, cache window): its compile costs ~300 calls of 8 rows.
+    # The same for the decode loop's (rows, cache window): its compile costs ~200 calls of 8 rows.
     config.sampler.decode_shape_reuse_calls = 256.0
     config.sampler.default_temperature = 0.0  # Sampling for stock JetStream Decode requests (0 = greedy).
     # Servers only: generate calls dispatched ahead of the thread that turns results into tokens and
