@@ -4,17 +4,19 @@ Every distinct shape of a jitted program compiles once, and on a cold start thos
 large part of a short run (120 RL iterations of the default run on a 2-core AMD EPYC compiled 82 s
 of programs, ~3.6 s per learner-step shape; benchmarks/RESULTS.md). Many shapes are wanted only a
 few times in a run (a row count that one RL minibatch in fifty packs into, an extend of a rare
-length). `ShapeReuse` pads such a call up to a
-compiled shape at least as large in every dimension, and keeps account of what the padding
-costs: in calls of the wanted shape, (work(padded) / work(wanted) - 1) per call, work being the
-product of the dimensions. Once a wanted shape has spent `compile_calls` calls' worth of padding,
-it is compiled like any other (the ski-rental rule: the padding paid never exceeds one compile's
-cost, set in calls, so a shape wanted often costs at most twice what compiling it at once would,
-and one wanted rarely is never compiled).
+length). `ShapeReuse` pads such a call up to a compiled shape at least as large in every
+dimension, and keeps account of what the padding costs: in calls of the wanted shape,
+(work(padded) / work(wanted) - 1) per call, work being the product of the dimensions. Once a
+wanted shape has spent `compile_calls` calls' worth of padding, it is compiled like any other (the
+ski-rental rule: the padding paid never exceeds one compile's cost, set in calls, so a shape
+wanted often costs at most twice what compiling it at once would, and one wanted rarely is never
+compiled).
 
 The choice depends on the sequence of wanted shapes alone, never on timing: a run's shapes are
 reproducible, and processes that see the same (agreed) shapes choose alike. Callers pad with
-what trains or samples nothing (padding rows, padding target columns).
+what trains or samples nothing: the learner's padding rows and target columns
+(`learner.global_batch`), the engine's dropped rows, tokens past a prompt and cache positions past
+the live requests (`AgentEngine._program_shape`).
 """
 
 from __future__ import annotations

@@ -92,3 +92,22 @@ def test_an_update_on_a_batch_padded_to_a_compiled_shape_is_the_update_on_the_ba
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params_padded, params_own)
     changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), params_own, jax.device_get(params)))
     assert any(changed)  # the step did update
+
+
+def test_the_sampler_config_gives_the_engines_of_one_sampler_one_shared_reuse(tmp_path):
+    """sampler.shape_reuse_calls / decode_shape_reuse_calls reach the engines `build_engines` makes:
+    both lanes hold the same ShapeReuse per program (they share the jitted programs), with the
+    configured costs; 0 leaves a program without one."""
+    from jaxrl_agent import build, tokenizer
+    from tests.test_trainer import tiny_config
+
+    config = tiny_config(tmp_path)
+    config.sampler.local_engines = 2
+    config.sampler.shape_reuse_calls, config.sampler.decode_shape_reuse_calls = 16.0, 128.0
+    model_config, params = build.build_model(config, build.build_mesh(config))
+    first, second = build.build_engines(config, model_config, params, tokenizer.CharTokenizer())
+    assert set(first.shape_reuse) == {"prefill", "extend", "decode"}
+    assert all(first.shape_reuse[p] is second.shape_reuse[p] for p in first.shape_reuse)
+    assert [first.shape_reuse[p].compile_calls for p in ("prefill", "extend", "decode")] == [16.0, 16.0, 128.0]
+    config.sampler.shape_reuse_calls = 0.0
+    assert set(build.engine_shape_reuse(config)) == {"decode"}
