@@ -309,6 +309,10 @@ def get_config() -> ml_collections.ConfigDict:
     # shape, compiled once (on an accelerator, where each compile is slow); -1 = the rows batch_size
     # demonstrations pack into on average, measured at the start.
     config.sft.rows_per_update = 0
+    # Gradient accumulation steps of an SFT update (0 = learner.microbatches): the rows in this many
+    # parts (less memory), each part's forward and backward pass alone, the loss exactly the batch's
+    # token mean. 4 parts did not speed up this model's SFT on 2 cores (benchmarks/RESULTS.md).
+    config.sft.microbatches = 0
     config.sft.learning_rate = 3e-3  # AdamW peak learning rate (fell faster than 1e-3 here).
     config.sft.warmup_steps = 50  # Linear warm-up, then cosine decay.
     config.sft.log_every = 50  # Console / metrics.jsonl cadence, in updates.
@@ -398,7 +402,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.learner = ml_collections.ConfigDict()
     config.learner.row_length = 128  # Tokens per packed learner row (expert episodes are 55-80 tokens).
     config.learner.row_multiple = 4  # Rows are padded to a multiple of this (fewer recompilations).
-    config.learner.microbatches = 1  # Gradient accumulation steps per update.
+    # Gradient accumulation steps per RL update (and SFT's when sft.microbatches is 0); rows are padded
+    # to a multiple of it. An RL objective's loss is then the mean of the parts' losses.
+    config.learner.microbatches = 1
     # Sequence positions whose [rows, chunk, vocab] logits exist at once in the learner (0 = the whole
     # row): the logits are recomputed chunk by chunk in the backward pass instead of stored.
     config.learner.logits_chunk = 0

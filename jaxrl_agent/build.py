@@ -897,11 +897,18 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"data.tasks={config.data.tasks!r}: no such file")
     demonstrations = config.data.demonstrations
     need(not demonstrations or os.path.isfile(demonstrations), f"data.demonstrations={demonstrations!r}: no such file")
+    for key in ("learner.microbatches", "sft.microbatches"):
+        value = config.learner.microbatches if key == "learner.microbatches" else config.sft.microbatches
+        least = 1 if key == "learner.microbatches" else 0
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= least,
+             f"{key}={value!r}: expected an integer >= {least}" + (" (0 = learner.microbatches)" if least == 0 else ""))
     rows = config.sft.rows_per_update
-    need(rows == -1 or (rows >= 0 and rows % config.learner.row_multiple == 0),
+    sft_multiple = math.lcm(config.learner.row_multiple, sft_microbatches(config))
+    need(rows == -1 or (rows >= 0 and rows % sft_multiple == 0),
          f"sft.rows_per_update={rows}: expected -1 (the rows sft.batch_size demonstrations "
          f"pack into), 0 (exactly sft.batch_size demonstrations per update) or a multiple of "
-         f"learner.row_multiple={config.learner.row_multiple}")
+         f"{sft_multiple} (learner.row_multiple={config.learner.row_multiple} and the SFT microbatches, "
+         f"{sft_microbatches(config)})")
     need(0.0 <= config.sft.delegate_share <= 1.0,
          f"sft.delegate_share={config.sft.delegate_share}: expected a share in [0, 1] (of demonstrations from "
          "an environment's delegating expert when rollout.delegate is set; the rest inline)")
@@ -1186,13 +1193,18 @@ def build_learner(config, model_config: models.ModelConfig, mesh: jax.sharding.M
 
     step_fn, shardings = learner.jit_train_step(
         learner.make_train_step(model_config, optimizer, objective=objective, sft=sft,
-                                microbatches=config.learner.microbatches,
+                                microbatches=sft_microbatches(config) if sft else config.learner.microbatches,
                                 temperature=1.0 if sft else config.rollout.temperature,
                                 logits_chunk=config.learner.logits_chunk, mesh=mesh, token_logprobs=token_logprobs),
         jax.eval_shape(make_state, params, ref_params, teacher_params), mesh)
     # Made on the mesh, every leaf in its sharding (the optimizer's counters too): a checkpoint
     # before the first update holds global arrays, as several processes need.
     return jax.jit(make_state, out_shardings=shardings)(params, ref_params, teacher_params), step_fn
+
+
+def sft_microbatches(config) -> int:
+    """Gradient accumulation steps of an SFT update: `sft.microbatches`, 0 = `learner.microbatches`."""
+    return int(config.sft.microbatches) or int(config.learner.microbatches)
 
 
 def build_reference(config, mesh: jax.sharding.Mesh, params):

@@ -54,7 +54,8 @@ def run_sft(run: Run) -> None:
     if c.steps <= 0 or run.resume is not None:
         return
     state, step_fn = build.build_learner(config, run.model_config, run.mesh, run.params, sft=True)
-    row_multiple = learner.row_multiple_for(run.mesh, config.learner.row_multiple)
+    row_multiple = learner.row_multiple_for(run.mesh, config.learner.row_multiple,
+                                            microbatches=build.sft_microbatches(config))
     # With several processes each draws its own demonstrations (its own seed range).
     demonstrations = build.build_demonstrations(config, run.environments, run.sft_levels, run.tokenizer, run.template,
                                                 first_seed=DEMONSTRATION_SEED_OFFSET + jax.process_index() * 10_000_000)
@@ -215,7 +216,8 @@ def rl_iteration(run: Run, source: rollout.source.RolloutSource, iteration: int,
     trained_version = run.version
     state, learner_metrics = learner.rl_update(
         state, step_fn, batch, rng=run.rng, minibatches=config.rl.minibatches, row_length=config.learner.row_length,
-        row_multiple=learner.row_multiple_for(run.mesh, config.learner.row_multiple, config.rl.row_multiple),
+        row_multiple=learner.row_multiple_for(run.mesh, config.learner.row_multiple, config.rl.row_multiple,
+                                              microbatches=config.learner.microbatches),
         target_multiple=config.learner.target_multiple, mesh=run.mesh, proximal_logprobs=proximal,
         **({"logprobs_fn": logprobs_fn, "current_version": run.version}
            if _every(config.invariants.drift_every, iteration) else {}),

@@ -64,7 +64,10 @@ def _records(path):
     ("rollout.top_k", -1, r"rollout.top_k=-1: expected >= 0"),
     ("rollout.top_p", 0.0, r"rollout.top_p=0.0: expected in \(0, 1\]"),
     ("eval.initial", "sometimes", r"eval.initial='sometimes': expected one of auto, true, false"),
-    ("sft.rows_per_update", 6, r"sft.rows_per_update=6: expected -1 .* or a multiple of learner.row_multiple=4"),
+    ("sft.rows_per_update", 6, r"sft.rows_per_update=6: expected -1 .* or a multiple of 4 \(learner.row_multiple=4 "
+                               r"and the SFT microbatches, 1\)"),
+    ("sft.microbatches", -1, r"sft.microbatches=-1: expected an integer >= 0 \(0 = learner.microbatches\)"),
+    ("learner.microbatches", 0, r"learner.microbatches=0: expected an integer >= 1"),
     ("sft.rows_per_update", -2, r"sft.rows_per_update=-2: expected -1"),
     ("sampler.shape_reuse_calls", -2.0, r"sampler.shape_reuse_calls=-2.0: expected >= 0 \(0 = compile every shape\)"),
     ("sampler.decode_shape_reuse_calls", -3.0, r"sampler.decode_shape_reuse_calls=-3.0: expected >= 0"),
@@ -76,6 +79,17 @@ def test_bad_choices_fail_before_any_model_is_built(tmp_path, key, value, messag
     config[section][field] = value
     with pytest.raises(build.ConfigError, match=message):
         build.validate_config(config)
+
+
+def test_sft_rows_per_update_must_split_into_the_sft_microbatches(tmp_path):
+    config = tiny_config(tmp_path)
+    config.sft.microbatches, config.sft.rows_per_update = 8, 12
+    with pytest.raises(build.ConfigError, match=r"sft.rows_per_update=12: expected -1 .* or a multiple of 8 "
+                                                r"\(learner.row_multiple=4 and the SFT microbatches, 8\)"):
+        build.validate_config(config)
+    config.sft.microbatches = 0  # learner.microbatches (1): 12 rows split
+    build.validate_config(config)
+    assert build.sft_microbatches(config) == 1
 
 
 def test_sft_needs_an_expert_or_none(tmp_path):

@@ -138,29 +138,39 @@ def test_sft_then_rl_runs_and_reports_every_stage(tmp_path):
     assert all(plot.series(records, stages, key)[0] for stages, key in drawn), drawn
 
 
-@pytest.mark.parametrize("rows_per_update", [-1, 8])
-def test_sft_updates_of_fixed_rows_compile_one_shape(tmp_path, monkeypatch, rows_per_update):
+@pytest.mark.parametrize("rows_per_update,microbatches", [(-1, 0), (8, 0), (-1, 16)])
+def test_sft_updates_of_fixed_rows_compile_one_shape(tmp_path, monkeypatch, rows_per_update, microbatches):
     """sft.rows_per_update: every SFT update packs the same number of rows (-1: measured and
-    recorded at the start), the demonstrations first fit in the order drawn."""
-    from jaxrl_agent import replay
+    recorded at the start), the demonstrations first fit in the order drawn; the SFT step
+    accumulates over sft.microbatches parts, which the rows are a multiple of."""
+    from jaxrl_agent import learner, replay
 
     config = tiny_config(tmp_path)
     config.sft.rows_per_update, config.sft.steps, config.rl.iterations = rows_per_update, 4, 0
+    config.sft.microbatches = microbatches
     config.metrics.tensorboard = False
     shapes, original = [], replay.pack
+    steps, make_step = [], learner.make_train_step
 
     def pack(trajectories, row_length, **kwargs):
         batch, rows = original(trajectories, row_length, **kwargs)
         shapes.append((batch.tokens.shape, kwargs.get("decreasing", True), len(trajectories)))
         return batch, rows
 
+    def make_train_step(*args, **kwargs):
+        steps.append((kwargs.get("sft"), kwargs.get("microbatches")))
+        return make_step(*args, **kwargs)
+
     monkeypatch.setattr(trainer.replay, "pack", pack)
+    monkeypatch.setattr(learner, "make_train_step", make_train_step)
     path = trainer.train_and_evaluate(config, quiet=True)
     records = [json.loads(line) for line in open(path)]
     rows = next(r for r in records if r["stage"] == "data")["sft_rows_per_update"]
     # -1: four demonstrations fill at most 4 rows of 256; rounded to the nearest multiple of the
-    # learner's row multiple (4, and the mesh's batch axes: every device), at least one multiple.
-    multiple = math.lcm(4, jax.device_count())
+    # learner's row multiple (4, the mesh's batch axes: every device, and the SFT microbatches),
+    # at least one multiple.
+    multiple = math.lcm(4, jax.device_count(), microbatches or 1)
+    assert steps == [(True, microbatches or 1)]  # 0: learner.microbatches
     assert rows == (8 if rows_per_update == 8 else multiple)
     assert [s[:2] for s in shapes] == [((rows, 256), False)] * 4
     assert sum(s[2] for s in shapes) > 4 and [r["step"] for r in records if r["stage"] == "sft"] == [1, 2, 3, 4]

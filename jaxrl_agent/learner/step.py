@@ -8,8 +8,9 @@
 `make_train_step(...)` returns a pure function; `jit_train_step` jits it with explicit
 `NamedSharding`s over a mesh (parameters by `sharding.PARAM_RULES`, batch rows over
 ('data', 'fsdp')), donating the old state. Gradients are accumulated over microbatches with
-`lax.scan`; a non-finite loss or gradient leaves parameters and optimizer state unchanged and is
-counted in `state.skipped_steps`.
+`lax.scan` (SFT's exactly: each microbatch's token sum over the whole batch's token count; an RL
+objective's as the mean of its microbatch losses); a non-finite loss or gradient leaves parameters
+and optimizer state unchanged and is counted in `state.skipped_steps`.
 """
 
 from __future__ import annotations
@@ -154,7 +155,12 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
     Args:
       objective: from `losses.make_objective` (RL); ignored when `sft=True`, whose loss is the
         masked token mean of -log pi (cross-entropy on the assistant's tokens).
-      microbatches: gradient accumulation steps per update (B must divide).
+      microbatches: gradient accumulation steps per update (B must divide): the rows in this many
+        parts, each part's forward and backward pass alone (less memory; on a CPU, parts whose
+        activations stay in the cores' caches run faster). SFT's loss, gradient and metrics are
+        then exactly the whole batch's: each part's token sum is divided by the batch's token
+        count, and the parts' results are summed. An RL objective's reduction is its own (a token
+        or sequence mean, or a custom loss), so its loss and gradient are the mean of the parts'.
       temperature: the sampling temperature, applied to logits so learner and sampler log-probs
         describe the same distribution.
       logits_chunk: sequence positions whose [B, chunk, V] logits exist at once (0 = all T); see
@@ -176,13 +182,17 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
                                     mesh=mesh)
         return jax.lax.stop_gradient(logp)
 
-    def loss_fn(params, ref_params, teacher_params, micro: PackedBatch):
+    def loss_fn(params, ref_params, teacher_params, micro: PackedBatch, batch_tokens):
         logp, entropy = sequence_logprobs(config, params, micro, temperature=temperature, with_entropy=True,
                                           logits_chunk=logits_chunk, mesh=mesh)
         mask = micro.loss_mask.astype(jnp.float32)
         if sft:
-            loss = losses.masked_token_mean(-logp, mask)
-            metrics = {"loss": loss, "nll": loss}
+            # The part's share of the batch's token mean: summed over the parts, the mean itself.
+            share = lambda x: jnp.sum(jnp.where(mask > 0, x, 0.0)) / batch_tokens
+            loss = share(-logp)
+            metrics = {"loss": loss, "nll": loss, "entropy": share(jax.lax.stop_gradient(entropy)),
+                       "tokens": jnp.sum(mask)}
+            return loss, (metrics, jax.lax.stop_gradient(logp))
         else:
             ref, teacher = frozen_logprobs(ref_params, micro), frozen_logprobs(teacher_params, micro)
             bonus = None
@@ -218,17 +228,24 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
         # several microbatches would round away what the float32 master weights are kept for).
         accumulator = state.params if state.master_params is None else state.master_params
 
+        # SFT: every part's loss is its token sum over the whole batch's tokens (see `loss_fn`).
+        batch_tokens = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
+
         def accumulate(carry, micro):
             grads_sum, loss_sum = carry
-            (loss, (metrics, logp)), grads = grad_fn(state.params, state.ref_params, state.teacher_params, micro)
+            (loss, (metrics, logp)), grads = grad_fn(state.params, state.ref_params, state.teacher_params, micro,
+                                                     batch_tokens)
             return ((jax.tree.map(lambda s, g: s + g.astype(s.dtype), grads_sum, grads), loss_sum + loss),
                     (metrics, logp if token_logprobs else None))
 
         zeros = jax.tree.map(jnp.zeros_like, accumulator)
         (grads, loss), (metrics, logp) = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), micro_batches)
-        grads = jax.tree.map(lambda g: g / microbatches, grads)
-        loss = loss / microbatches
-        metrics = jax.tree.map(jnp.mean, metrics)
+        if sft:  # the parts' shares sum to the batch's values
+            metrics = jax.tree.map(jnp.sum, metrics)
+        else:  # the mean of the parts' losses
+            grads = jax.tree.map(lambda g: g / microbatches, grads)
+            loss = loss / microbatches
+            metrics = jax.tree.map(jnp.mean, metrics)
         if token_logprobs:  # [microbatches, B / microbatches, T] -> [B, T], the rows in the batch's order
             metrics["token_logprobs"] = logp.reshape(batch.tokens.shape)
         grad_norm = optax.tree.norm(grads)

@@ -156,10 +156,10 @@ def global_batch(batch: PackedBatch, mesh: jax.sharding.Mesh, loss_controls: Seq
     return sharding.put_batch(batch, mesh)
 
 
-def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int) -> int:
-    """Learner rows are split over ('data', 'fsdp'): row counts must divide by that and by every
-    configured multiple."""
-    return math.lcm(mesh.shape["data"] * mesh.shape["fsdp"], *multiples)
+def row_multiple_for(mesh: jax.sharding.Mesh, *multiples: int, microbatches: int = 1) -> int:
+    """Learner rows are split over ('data', 'fsdp') and a step's rows into `microbatches` parts:
+    row counts must divide by both and by every configured multiple."""
+    return math.lcm(mesh.shape["data"] * mesh.shape["fsdp"], microbatches, *multiples)
 
 
 def consecutive_skips(previous: int, skipped_flags) -> int:

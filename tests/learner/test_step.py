@@ -130,6 +130,40 @@ def test_microbatch_accumulation_matches_the_full_batch():
     np.testing.assert_allclose(micro_metrics["entropy"], full_metrics["entropy"], rtol=1e-3)
 
 
+def test_sft_microbatches_give_the_whole_batch_token_mean_exactly():
+    """SFT's accumulation over parts with unequal token counts: loss, entropy, gradient norm and
+    the updated parameters equal one step on the whole batch (float rounding apart), where a mean
+    of the parts' own token means would weigh a part's tokens by its count's inverse."""
+    optimizer = learner.make_optimizer(learning_rate=1e-3, warmup_steps=1, total_steps=10)
+    batch = jax.tree.map(jnp.asarray, _expert_batch(n=16, row_length=128))
+    rows = batch.tokens.shape[0]
+    assert rows % 4 == 0, rows
+    parts = np.asarray(batch.loss_mask).reshape(4, rows // 4, -1).sum((1, 2))
+    assert len(set(parts.tolist())) > 1, parts
+    step = lambda microbatches: jax.jit(learner.make_train_step(CONFIG, optimizer, sft=True, microbatches=microbatches))
+    whole_state, whole = step(1)(learner.init_state(PARAMS, optimizer), batch)
+    parts_state, parted = step(4)(learner.init_state(PARAMS, optimizer), batch)
+    for key in ("loss", "nll", "entropy", "grad_norm", "tokens"):
+        np.testing.assert_allclose(parted[key], whole[key], rtol=2e-5, err_msg=key)
+    for a, b in zip(jax.tree.leaves(parts_state.params), jax.tree.leaves(whole_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The mean of the parts' own means differs from the token mean on these parts.
+    logp, _ = learner.sequence_logprobs(CONFIG, PARAMS, batch)
+    nll = -np.asarray(logp).reshape(4, rows // 4, -1)
+    mask = np.asarray(batch.loss_mask).reshape(4, rows // 4, -1)
+    mean_of_means = np.mean([(nll[i] * mask[i]).sum() / mask[i].sum() for i in range(4)])
+    assert abs(mean_of_means - float(whole["loss"])) > 1e-4 * abs(float(whole["loss"]))
+
+
+def test_row_multiples_hold_the_mesh_axes_the_configured_multiples_and_the_microbatches():
+    mesh = sharding.make_mesh(data=1, fsdp=2, tensor=1, devices=jax.devices()[:2])
+    assert learner.row_multiple_for(mesh) == 2
+    assert learner.row_multiple_for(mesh, 4) == 4
+    assert learner.row_multiple_for(mesh, 4, 8) == 8
+    assert learner.row_multiple_for(mesh, 4, microbatches=3) == 12
+    assert learner.row_multiple_for(mesh, 4, microbatches=4) == 4
+
+
 def test_the_step_returns_its_starting_log_probs_and_the_drift_measure_uses_them():
     """make_train_step(token_logprobs=True): metrics['token_logprobs'] [B, T] are the batch's
     log-probs under the parameters the step started from (with microbatches, rows in the batch's
@@ -329,15 +363,22 @@ def test_float32_master_weights_keep_the_updates_bfloat16_parameters_round_away(
 def test_microbatch_gradients_are_summed_in_the_master_dtype():
     """With float32 master weights, the microbatch gradients (bfloat16, from bfloat16 parameters)
     are accumulated in float32: the update equals the float32 mean of each microbatch's own
-    gradient. (A bfloat16 running sum rounds each partial sum to 8 bits of mantissa, ~1e-2 off.)"""
+    gradient (the parts hold equal token counts, so SFT's token mean weighs them alike, and the
+    1/4 of each part's loss scales its bfloat16 gradient exactly). (A bfloat16 running sum rounds
+    each partial sum to 8 bits of mantissa, ~1e-2 off.)"""
     import optax
 
     config = dataclasses.replace(CONFIG, param_dtype="bfloat16", dtype="bfloat16")
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), models.init_params(CONFIG, jax.random.PRNGKey(0)))
     identity = optax.identity()  # update = gradient: the new master is 0 + the accumulated gradient
-    batch = jax.tree.map(jnp.asarray, _expert_batch(16, row_length=128))
+    batch = _expert_batch(16, row_length=128)
+    # Every row keeps its first m trained tokens, m the fewest of any row: equal parts.
+    mask = np.asarray(batch.loss_mask)
+    m = int(mask.sum(1).min())
+    batch = jax.tree.map(jnp.asarray, batch.replace(loss_mask=(mask * (np.cumsum(mask, 1) <= m)).astype(mask.dtype)))
     n = 4
     assert batch.tokens.shape[0] == 8, batch.tokens.shape
+    assert m > 0 and set(np.asarray(batch.loss_mask).sum(1).tolist()) == {m}
 
     def gradient(rows, microbatches):
         state = learner.init_state(params, identity, master_dtype="float32")
