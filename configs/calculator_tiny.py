@@ -88,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.sampler = ml_collections.ConfigDict()
     # KV-cache slots (requests decoded together), split between the engines: 128 = half of an RL
     # iteration's 256 episodes at once; against 64, RL iterations took 0.86-0.93x the time on the
-    # AMD EPYC host (sampling 0.85x), 256 did not gain (benchmarks/RESULTS.md).
+    # AMD EPYC host (sampling 0.85-0.92x), 256 did not gain (benchmarks/RESULTS.md).
     config.sampler.max_concurrent_decodes = 128
     config.sampler.max_prefill_length = 128  # Longest prompt in tokens (power of two); longer ones are rejected.
     config.sampler.max_cache_length = 128  # Tokens per slot: prompt + generation (>= rollout.max_context).
