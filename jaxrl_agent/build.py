@@ -897,11 +897,11 @@ def validate_config(config, *, reward_fn_given: bool = False) -> None:
          f"data.tasks={config.data.tasks!r}: no such file")
     demonstrations = config.data.demonstrations
     need(not demonstrations or os.path.isfile(demonstrations), f"data.demonstrations={demonstrations!r}: no such file")
-    for key in ("learner.microbatches", "sft.microbatches"):
-        value = config.learner.microbatches if key == "learner.microbatches" else config.sft.microbatches
-        least = 1 if key == "learner.microbatches" else 0
-        need(isinstance(value, int) and not isinstance(value, bool) and value >= least,
-             f"{key}={value!r}: expected an integer >= {least}" + (" (0 = learner.microbatches)" if least == 0 else ""))
+    is_count = lambda value, least: isinstance(value, int) and not isinstance(value, bool) and value >= least
+    need(is_count(config.learner.microbatches, 1),
+         f"learner.microbatches={config.learner.microbatches!r}: expected an integer >= 1")
+    need(is_count(config.sft.microbatches, 0),
+         f"sft.microbatches={config.sft.microbatches!r}: expected an integer >= 0 (0 = learner.microbatches)")
     rows = config.sft.rows_per_update
     sft_multiple = math.lcm(config.learner.row_multiple, sft_microbatches(config))
     need(rows == -1 or (rows >= 0 and rows % sft_multiple == 0),

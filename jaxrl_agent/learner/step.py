@@ -156,11 +156,11 @@ def make_train_step(config: models.ModelConfig, optimizer: optax.GradientTransfo
       objective: from `losses.make_objective` (RL); ignored when `sft=True`, whose loss is the
         masked token mean of -log pi (cross-entropy on the assistant's tokens).
       microbatches: gradient accumulation steps per update (B must divide): the rows in this many
-        parts, each part's forward and backward pass alone (less memory; on a CPU, parts whose
-        activations stay in the cores' caches run faster). SFT's loss, gradient and metrics are
-        then exactly the whole batch's: each part's token sum is divided by the batch's token
-        count, and the parts' results are summed. An RL objective's reduction is its own (a token
-        or sequence mean, or a custom loss), so its loss and gradient are the mean of the parts'.
+        parts, each part's forward and backward pass alone (activations of one part at a time).
+        SFT's loss, gradient and metrics are then exactly the whole batch's: each part's token
+        sum is divided by the batch's token count, and the parts' results are summed. An RL
+        objective's reduction is its own (a token or sequence mean, or a custom loss), so its loss
+        and gradient are the mean of the parts'.
       temperature: the sampling temperature, applied to logits so learner and sampler log-probs
         describe the same distribution.
       logits_chunk: sequence positions whose [B, chunk, V] logits exist at once (0 = all T); see
