@@ -176,6 +176,18 @@ def test_sft_updates_of_fixed_rows_compile_one_shape(tmp_path, monkeypatch, rows
     assert sum(s[2] for s in shapes) > 4 and [r["step"] for r in records if r["stage"] == "sft"] == [1, 2, 3, 4]
 
 
+def test_rl_rows_split_into_the_learner_microbatches(tmp_path):
+    """learner.microbatches that the configured row multiples do not hold (3 against 4, 8 and the
+    mesh's devices): RL's rows are padded to a multiple of it too, and the iteration trains."""
+    config = tiny_config(tmp_path)
+    config.learner.microbatches, config.sft.steps, config.rl.iterations, config.eval.every = 3, 1, 1, 0
+    config.metrics.tensorboard = False
+    path = trainer.train_and_evaluate(config, quiet=True)
+    records = [json.loads(line) for line in open(path)]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert len(rl) == 1 and rl[0]["trained_tokens"] > 0 and math.isfinite(rl[0]["loss"])
+
+
 @pytest.mark.slow
 def test_resume_continues_the_same_schedule(tmp_path):
     config = tiny_config(tmp_path)
