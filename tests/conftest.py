@@ -1,11 +1,31 @@
-"""Test setup: 8 simulated CPU devices (for mesh tests) and JAX's persistent compilation cache.
+"""Test setup: 8 simulated CPU devices (for mesh tests), XLA's backend optimisation off in this
+process, and JAX's persistent compilation cache.
 
-Both must be configured before JAX initialises its backend, hence at import time here.
+All must be configured before JAX initialises its backend, hence at import time here.
+
+The suite compiles hundreds of tiny programs and runs each a few times: on a clean clone
+(CI, an empty cache) compiling is most of its time. With LLVM's optimisation off
+(`--xla_backend_optimization_level=0`: the same HLO passes and fusions, the same float semantics;
+less optimised machine code) the suite took 11:30 from an empty cache against 16:40, and 5:58
+against 6:13 warm (AMD EPYC, 2 cores; benchmarks/RESULTS.md). It applies to this process only:
+XLA reads its flags when the backend starts, after which XLA_FLAGS is put back, so the processes
+tests start (trainer runs, servers) compile as a user's do, and measure and cache what a user's
+would. This process's compilations go to a cache folder of their own (the cache keys them by the
+environment's XLA_FLAGS, which no longer name the level). A user who sets XLA_FLAGS runs the suite
+with exactly those flags.
 """
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_UNOPTIMISED_FLAG = "--xla_backend_optimization_level=0"
+# Set when this file chose XLA_FLAGS, so that pytest-xdist's workers (which inherit the flags as put
+# back below) choose alike.
+_DEFAULTED = "JAXRL_AGENT_TEST_DEFAULT_XLA_FLAGS"
+_UNOPTIMISED = "XLA_FLAGS" not in os.environ or os.environ.get(_DEFAULTED) == "1"
+_CHILD_XLA_FLAGS = "--xla_force_host_platform_device_count=8" if _UNOPTIMISED else os.environ["XLA_FLAGS"]
+if _UNOPTIMISED:
+    os.environ[_DEFAULTED] = "1"
+    os.environ["XLA_FLAGS"] = f"{_CHILD_XLA_FLAGS} {_UNOPTIMISED_FLAG}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The shared token sampler and env servers require (inherited by the servers tests start).
@@ -13,10 +33,15 @@ os.environ.setdefault("JAXRL_AGENT_TOKEN", "test-token-" + os.urandom(8).hex())
 
 import jax  # noqa: E402
 
+jax.devices()  # the backend starts here and reads XLA_FLAGS
+os.environ["XLA_FLAGS"] = _CHILD_XLA_FLAGS  # what the processes tests start inherit
+
 _CACHE_DIR = os.environ.get(
     "JAXRL_AGENT_TEST_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
 )
-jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+# Processes tests start may share _CACHE_DIR; this process's unoptimised programs stay apart.
+_PROCESS_CACHE_DIR = os.path.join(_CACHE_DIR, "backend_optimization_level_0") if _UNOPTIMISED else _CACHE_DIR
+jax.config.update("jax_compilation_cache_dir", _PROCESS_CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -1,6 +1,10 @@
 """`config_lib.enable_compilation_cache`: the folder from the config or JAX_COMPILATION_CACHE_DIR,
 and the same store threshold either way (unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import ml_collections
 import pytest
@@ -52,3 +56,15 @@ def test_off_without_a_folder(monkeypatch, restore_jax_cache_config):
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     assert config_lib.enable_compilation_cache(config("")) is None
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 7.0
+
+
+def test_the_suite_compiles_unoptimised_and_the_processes_it_starts_as_a_user_does():
+    """tests/conftest.py: this process's backend was started with XLA's backend optimisation off, its
+    programs cached apart; the processes tests start inherit the flags without it (they compile,
+    measure host choices and cache as a user's runs do)."""
+    if os.environ.get("JAXRL_AGENT_TEST_DEFAULT_XLA_FLAGS") != "1":
+        pytest.skip("XLA_FLAGS given by the user: the suite runs with exactly those")
+    assert jax.config.jax_compilation_cache_dir.endswith(os.sep + "backend_optimization_level_0")
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['XLA_FLAGS'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert child == "--xla_force_host_platform_device_count=8"
