@@ -3,14 +3,14 @@ process, and JAX's persistent compilation cache.
 
 All must be configured before JAX initialises its backend, hence at import time here.
 
-The suite compiles hundreds of tiny programs and runs each a few times: on a clean clone
-(CI, an empty cache) compiling is most of its time. With LLVM's optimisation off
-(`--xla_backend_optimization_level=0`: the same HLO passes and fusions, the same float semantics;
-less optimised machine code) the suite took 11:30 from an empty cache against 16:40, and 5:58
-against 6:13 warm (AMD EPYC, 2 cores; benchmarks/RESULTS.md). It applies to this process only:
-XLA reads its flags when the backend starts, after which XLA_FLAGS is put back, so the processes
-tests start (trainer runs, servers) compile as a user's do, and measure and cache what a user's
-would. This process's compilations go to a cache folder of their own (the cache keys them by the
+The suite compiles hundreds of tiny programs and runs each a few times: on a clean clone (CI, an
+empty cache) compiling is most of its time. With `--xla_backend_optimization_level=0` (XLA's HLO
+passes and fusions as before, LLVM's optimisation of the machine code off; every test passes
+alike) the suite took 11:15 from an empty cache against 16:40, and warm no longer (5:58 against
+6:13 with every process at level 0; AMD EPYC, 2 cores; benchmarks/RESULTS.md). It applies to this
+process only: XLA reads its flags when the backend starts, after which XLA_FLAGS is put back, so
+the processes tests start (trainer runs, servers) compile as a user's do, and measure and cache
+what a user's would. This process's compilations go to a cache folder of their own (the cache keys them by the
 environment's XLA_FLAGS, which no longer name the level). A user who sets XLA_FLAGS runs the suite
 with exactly those flags.
 """
