@@ -10,9 +10,9 @@ alike) the suite took 11:15 from an empty cache against 16:40, and warm no longe
 6:13 with every process at level 0; AMD EPYC, 2 cores; benchmarks/RESULTS.md). It applies to this
 process only: XLA reads its flags when the backend starts, after which XLA_FLAGS is put back, so
 the processes tests start (trainer runs, servers) compile as a user's do, and measure and cache
-what a user's would. This process's compilations go to a cache folder of their own (the cache keys them by the
-environment's XLA_FLAGS, which no longer name the level). A user who sets XLA_FLAGS runs the suite
-with exactly those flags.
+what a user's would. This process's compilations go to a cache folder of their own (the cache
+keys them by the environment's XLA_FLAGS, which no longer name the level). A user who sets
+XLA_FLAGS runs the suite with exactly those flags.
 """
 
 import os
