@@ -17,15 +17,25 @@ XLA_FLAGS runs the suite with exactly those flags.
 
 import os
 
-_UNOPTIMISED_FLAG = "--xla_backend_optimization_level=0"
+DEFAULT_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+UNOPTIMISED_FLAG = "--xla_backend_optimization_level=0"
 # Set when this file chose XLA_FLAGS, so that pytest-xdist's workers (which inherit the flags as put
 # back below) choose alike.
-_DEFAULTED = "JAXRL_AGENT_TEST_DEFAULT_XLA_FLAGS"
-_UNOPTIMISED = "XLA_FLAGS" not in os.environ or os.environ.get(_DEFAULTED) == "1"
-_CHILD_XLA_FLAGS = "--xla_force_host_platform_device_count=8" if _UNOPTIMISED else os.environ["XLA_FLAGS"]
-if _UNOPTIMISED:
-    os.environ[_DEFAULTED] = "1"
-    os.environ["XLA_FLAGS"] = f"{_CHILD_XLA_FLAGS} {_UNOPTIMISED_FLAG}"
+DEFAULTED = "JAXRL_AGENT_TEST_DEFAULT_XLA_FLAGS"
+
+
+def xla_flags_for_the_suite(environ) -> tuple[str, str, bool]:
+    """(the flags this process starts its backend with, those the processes it starts inherit,
+    whether this process compiles unoptimised) for an environment `environ`."""
+    if "XLA_FLAGS" in environ and environ.get(DEFAULTED) != "1":
+        return environ["XLA_FLAGS"], environ["XLA_FLAGS"], False  # the user's, as they are
+    return f"{DEFAULT_XLA_FLAGS} {UNOPTIMISED_FLAG}", DEFAULT_XLA_FLAGS, True
+
+
+_PROCESS_XLA_FLAGS, CHILD_XLA_FLAGS, UNOPTIMISED = xla_flags_for_the_suite(os.environ)
+if UNOPTIMISED:
+    os.environ[DEFAULTED] = "1"
+os.environ["XLA_FLAGS"] = _PROCESS_XLA_FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The shared token sampler and env servers require (inherited by the servers tests start).
@@ -34,14 +44,14 @@ os.environ.setdefault("JAXRL_AGENT_TOKEN", "test-token-" + os.urandom(8).hex())
 import jax  # noqa: E402
 
 jax.devices()  # the backend starts here and reads XLA_FLAGS
-os.environ["XLA_FLAGS"] = _CHILD_XLA_FLAGS  # what the processes tests start inherit
+os.environ["XLA_FLAGS"] = CHILD_XLA_FLAGS  # what the processes tests start inherit
 
 _CACHE_DIR = os.environ.get(
     "JAXRL_AGENT_TEST_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
 )
 # Processes tests start may share _CACHE_DIR; this process's unoptimised programs stay apart.
-_PROCESS_CACHE_DIR = os.path.join(_CACHE_DIR, "backend_optimization_level_0") if _UNOPTIMISED else _CACHE_DIR
-jax.config.update("jax_compilation_cache_dir", _PROCESS_CACHE_DIR)
+PROCESS_CACHE_DIR = os.path.join(_CACHE_DIR, "backend_optimization_level_0") if UNOPTIMISED else _CACHE_DIR
+jax.config.update("jax_compilation_cache_dir", PROCESS_CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -10,6 +10,7 @@ import ml_collections
 import pytest
 
 from jaxrl_agent import config_lib
+from tests import conftest
 
 
 @pytest.fixture
@@ -58,13 +59,27 @@ def test_off_without_a_folder(monkeypatch, restore_jax_cache_config):
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 7.0
 
 
-def test_the_suite_compiles_unoptimised_and_the_processes_it_starts_as_a_user_does():
-    """tests/conftest.py: this process's backend was started with XLA's backend optimisation off, its
-    programs cached apart; the processes tests start inherit the flags without it (they compile,
-    measure host choices and cache as a user's runs do)."""
-    if os.environ.get("JAXRL_AGENT_TEST_DEFAULT_XLA_FLAGS") != "1":
-        pytest.skip("XLA_FLAGS given by the user: the suite runs with exactly those")
-    assert jax.config.jax_compilation_cache_dir.endswith(os.sep + "backend_optimization_level_0")
+
+def test_the_suite_compiles_unoptimised_unless_the_user_set_xla_flags():
+    """tests/conftest.py's choice: with XLA_FLAGS unset (or set by conftest itself, as pytest-xdist's
+    workers inherit it) the test process starts its backend with optimisation off and the processes
+    it starts inherit the device count alone; flags the user set are used as they are, everywhere."""
+    default, unoptimised = conftest.DEFAULT_XLA_FLAGS, conftest.UNOPTIMISED_FLAG
+    for environ in ({}, {"XLA_FLAGS": default, conftest.DEFAULTED: "1"}):
+        assert conftest.xla_flags_for_the_suite(environ) == (f"{default} {unoptimised}", default, True)
+    users = "--xla_force_host_platform_device_count=2"
+    assert conftest.xla_flags_for_the_suite({"XLA_FLAGS": users}) == (users, users, False)
+    assert conftest.xla_flags_for_the_suite({"XLA_FLAGS": ""}) == ("", "", False)
+
+
+def test_this_process_caches_apart_and_the_processes_it_starts_get_the_users_flags():
+    """The choice as this run made it: this process's programs in a cache folder of their own when
+    unoptimised, and a started process's XLA_FLAGS without the level (they compile, measure host
+    choices and cache as a user's runs do)."""
+    assert jax.config.jax_compilation_cache_dir == conftest.PROCESS_CACHE_DIR
+    assert conftest.PROCESS_CACHE_DIR.endswith(os.sep + "backend_optimization_level_0") == conftest.UNOPTIMISED
     child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['XLA_FLAGS'])"],
                            capture_output=True, text=True, check=True).stdout.strip()
-    assert child == "--xla_force_host_platform_device_count=8"
+    assert child == conftest.CHILD_XLA_FLAGS
+    if conftest.UNOPTIMISED:
+        assert child == conftest.DEFAULT_XLA_FLAGS
